@@ -1,0 +1,27 @@
+// Parsing and printing of sizes, rates and counts given on command lines.
+//
+//   ParseBytes("64GiB") == 68719476736, ParseBytes("1.5e9") == 1500000000,
+//   ParseRate("64GB/s") == 64e9, FormatBytes(327680) == "320.0 KiB".
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include "absl/strings/string_view.h"
+
+#include "absl/status/statusor.h"
+
+namespace kvpool {
+
+// Bytes with an optional unit: B, K/KB (1e3), KiB (2^10), M/MB, MiB, G/GB, GiB, T/TB, TiB.
+// `field` names the flag or field in the error ("--hbm-free").
+absl::StatusOr<uint64_t> ParseBytes(absl::string_view text, absl::string_view field);
+// A rate in bytes/s: a number with an optional unit as above and an optional "/s".
+absl::StatusOr<double> ParseRate(absl::string_view text, absl::string_view field);
+// A plain finite number, with SI suffixes k, M, G, T, P (e.g. "400T" FLOP/s).
+absl::StatusOr<double> ParseNumber(absl::string_view text, absl::string_view field);
+
+std::string FormatBytes(double bytes);        // binary units: "3.0 MiB"
+std::string FormatRate(double bytes_per_s);   // decimal units: "64.0 GB/s"
+std::string FormatSeconds(double seconds);    // "2.896 s", "33.6 ms", "12.0 us"
+
+}  // namespace kvpool

@@ -1,0 +1,37 @@
+#include "kvpool/common/units.h"
+
+#include <gtest/gtest.h>
+
+namespace kvpool {
+namespace {
+
+TEST(UnitsTest, ParsesSizes) {
+  EXPECT_EQ(*ParseBytes("4096", "--x"), 4096u);
+  EXPECT_EQ(*ParseBytes("64GiB", "--x"), 64ull << 30);
+  EXPECT_EQ(*ParseBytes("1.5e9", "--x"), 1500000000u);
+  EXPECT_EQ(*ParseBytes("2MB", "--x"), 2000000u);
+  EXPECT_EQ(*ParseRate("64GB/s", "--x"), 64e9);
+  EXPECT_EQ(*ParseNumber("400T", "--flops"), 400e12);
+}
+
+TEST(UnitsTest, ErrorsNameTheField) {
+  auto a = ParseBytes("lots", "--hbm-free");
+  EXPECT_EQ(a.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(a.status().message().find("--hbm-free"), absl::string_view::npos);
+  EXPECT_FALSE(ParseBytes("-5GiB", "--x").ok());
+  EXPECT_FALSE(ParseBytes("5 parsecs", "--x").ok());
+  EXPECT_FALSE(ParseRate("0", "--bandwidth").ok());
+  EXPECT_FALSE(ParseNumber("abc", "--flops").ok());
+  EXPECT_FALSE(ParseNumber("4X", "--flops").ok());
+}
+
+TEST(UnitsTest, Formats) {
+  EXPECT_EQ(FormatBytes(327680), "320.00 KiB");
+  EXPECT_EQ(FormatBytes(3 * 1024 * 1024), "3.00 MiB");
+  EXPECT_EQ(FormatRate(64e9), "64.00 GB/s");
+  EXPECT_EQ(FormatSeconds(2.896), "2.896 s");
+  EXPECT_EQ(FormatSeconds(0.0336), "33.60 ms");
+}
+
+}  // namespace
+}  // namespace kvpool

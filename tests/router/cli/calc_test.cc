@@ -1,0 +1,139 @@
+// kvctl calc: figures against the textbook, and errors that name the flag.
+#include <sstream>
+
+#include <gtest/gtest.h>
+
+#include "kvctl.h"
+#include "nlohmann/json.hpp"
+
+namespace kvpool::kvctl {
+namespace {
+
+struct Result {
+  int code;
+  std::string out;
+  std::string err;
+};
+
+Result RunCli(std::vector<std::string> args) {
+  args.insert(args.begin(), "kvctl");
+  std::ostringstream out, err;
+  int code = RunKvctl(args, out, err);
+  return {code, out.str(), err.str()};
+}
+
+nlohmann::json Json(std::vector<std::string> args) {
+  args.push_back("--json");
+  Result r = RunCli(args);
+  EXPECT_EQ(r.code, 0) << r.err;
+  return nlohmann::json::parse(r.out);
+}
+
+TEST(KvctlCalcTest, KvLlama) {
+  auto j = Json({"calc", "kv", "--model", "llama-3.3-70b", "--context", "8192"});
+  EXPECT_EQ(j["bytes_per_token"], 327680);
+  EXPECT_EQ(j["layers"]["gqa"]["bytes_per_token_per_layer"], 4096);
+  EXPECT_EQ(j["footprint_bytes"], 327680LL * 8192);
+  EXPECT_EQ(j["fixed_state_bytes_per_request"], 0);
+}
+
+TEST(KvctlCalcTest, KvDeepSeekFp8) {
+  auto j = Json({"calc", "kv", "--model", "deepseek-v3", "--kv-dtype", "fp8"});
+  EXPECT_EQ(j["bytes_per_token"], 35136);
+  EXPECT_EQ(j["layers"]["mla"]["bytes_per_token_per_layer"], 576);
+}
+
+TEST(KvctlCalcTest, KvKimiCrossover) {
+  auto j = Json({"calc", "kv", "--model", "kimi-k3"});
+  EXPECT_EQ(j["bytes_per_token"], 27648);
+  EXPECT_EQ(j["layers"]["kda"]["state_bytes_per_layer"], 3 * 1024 * 1024);
+  EXPECT_NEAR(j["fixed_state_bytes_per_request"].get<double>() / (1 << 30), 0.20, 0.005);
+  EXPECT_NEAR(j["crossover_tokens"].get<double>(), 7851, 1);
+}
+
+TEST(KvctlCalcTest, UtilUniformAndPaged) {
+  auto j = Json({"calc", "util", "--max-len", "4096", "--page-size", "16"});
+  EXPECT_NEAR(j["contiguous_utilization"].get<double>(), 0.5001, 0.00005);
+  EXPECT_DOUBLE_EQ(j["paged_expected_waste_tokens"].get<double>(), 7.5);
+  EXPECT_GT(j["paged_utilization"].get<double>(), 0.99);
+  EXPECT_EQ(j["block_table_bytes_max"], 256 * 4);
+}
+
+TEST(KvctlCalcTest, UtilBatchCap) {
+  auto j = Json({"calc", "util", "--max-len", "4096", "--mean-len", "1024", "--hbm-free", "40GiB",
+                 "--model", "llama-3.3-70b"});
+  // 40 GiB / (4096 tokens x 320 KiB) = 32 contiguous requests.
+  EXPECT_EQ(j["batch_cap_contiguous"], 32);
+  EXPECT_EQ(j["batch_cap_paged"], static_cast<int64_t>((40.0 * (1 << 30)) / ((1024 + 7.5) * 327680)));
+}
+
+TEST(KvctlCalcTest, TtftTextbook) {
+  auto j = Json({"calc", "ttft", "--model", "llama-3.3-70b", "--context", "8192", "--hit", "0.8",
+                 "--tier", "dram", "--queue", "0.1"});
+  EXPECT_NEAR(j["full_recompute"]["recompute_s"].get<double>(), 2.896, 0.001);
+  EXPECT_NEAR(j["with_hit"]["total_s"].get<double>(), 0.71, 0.005);
+  EXPECT_NEAR(j["hit_rate_to_halve_prefill"].get<double>(), 0.51, 0.005);
+}
+
+TEST(KvctlCalcTest, TtftHumanOutputMentionsTheBreakdown) {
+  Result r = RunCli({"calc", "ttft", "--model", "llama-3.3-70b", "--context", "8192", "--hit", "0.8"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("recompute of the miss"), std::string::npos);
+  EXPECT_NE(r.out.find("hit rate that halves prefill"), std::string::npos);
+}
+
+struct BadCase {
+  std::vector<std::string> args;
+  std::string flag;  // the error must name it
+};
+
+class KvctlBadArgsTest : public ::testing::TestWithParam<BadCase> {};
+
+TEST_P(KvctlBadArgsTest, FailsNamingTheFlag) {
+  Result r = RunCli(GetParam().args);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find(GetParam().flag), std::string::npos) << r.err;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    All, KvctlBadArgsTest,
+    ::testing::Values(
+        BadCase{{"calc", "kv", "--model", "gpt-9"}, "--model"},
+        BadCase{{"calc", "kv", "--model", "llama-3.3-70b", "--kv-dtype", "int3"}, "--kv-dtype"},
+        BadCase{{"calc", "kv", "--model", "llama-3.3-70b", "--context", "-5"}, "--context"},
+        BadCase{{"calc", "kv", "--model", "llama-3.3-70b", "--context", "many"}, "--context"},
+        BadCase{{"calc", "util", "--max-len", "-1"}, "--max-len"},
+        BadCase{{"calc", "util", "--max-len", "abc"}, "--max-len"},
+        BadCase{{"calc", "util", "--max-len", "100", "--mean-len", "200"}, "--mean-len"},
+        BadCase{{"calc", "util", "--max-len", "100", "--hbm-free", "lots", "--model", "tiny-gqa"},
+                "--hbm-free"},
+        BadCase{{"calc", "util", "--max-len", "100", "--hbm-free", "1GiB"}, "--model"},
+        BadCase{{"calc", "ttft", "--model", "llama-3.3-70b", "--context", "10", "--hit", "1.5"},
+                "--hit"},
+        BadCase{{"calc", "ttft", "--model", "llama-3.3-70b", "--context", "10", "--hit", "-0.1"},
+                "--hit"},
+        BadCase{{"calc", "ttft", "--model", "llama-3.3-70b", "--context", "10", "--hit", "x"},
+                "--hit"},
+        BadCase{{"calc", "ttft", "--model", "llama-3.3-70b", "--context", "0", "--hit", "0.5"},
+                "--context"},
+        BadCase{{"calc", "ttft", "--model", "llama-3.3-70b", "--context", "10", "--hit", "0.5",
+                 "--queue", "-1"},
+                "--queue"},
+        BadCase{{"calc", "ttft", "--model", "llama-3.3-70b", "--context", "10", "--hit", "0.5",
+                 "--tier", "tape"},
+                "--tier"},
+        BadCase{{"calc", "ttft", "--model", "llama-3.3-70b", "--context", "10", "--hit", "0.5",
+                 "--flops", "fast"},
+                "--flops"},
+        BadCase{{"calc", "ttft", "--model", "llama-3.3-70b", "--context", "10", "--hit", "0.5",
+                 "--bandwidth", "0"},
+                "--bandwidth"},
+        BadCase{{"calc", "ttft", "--context", "10", "--hit", "0.5"}, "--model"}));
+
+TEST(KvctlTest, NoSubcommandIsAnError) {
+  Result r = RunCli({});
+  EXPECT_EQ(r.code, 2);
+}
+
+}  // namespace
+}  // namespace kvpool::kvctl
