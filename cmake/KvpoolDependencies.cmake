@@ -11,6 +11,7 @@ find_package(spdlog CONFIG REQUIRED)
 pkg_check_modules(XXHASH REQUIRED IMPORTED_TARGET libxxhash)
 pkg_check_modules(UCX REQUIRED IMPORTED_TARGET ucx)
 pkg_check_modules(URING REQUIRED IMPORTED_TARGET liburing)
+pkg_check_modules(HTTPLIB REQUIRED IMPORTED_TARGET cpp-httplib)
 
 find_program(KVPOOL_PROTOC protoc REQUIRED)
 find_program(KVPOOL_GRPC_CPP_PLUGIN grpc_cpp_plugin REQUIRED)
