@@ -25,7 +25,9 @@ class Report {
   void Line(std::string label, std::string value) { rows_.emplace_back(std::move(label), std::move(value)); }
   void Print(std::ostream& out) const {
     size_t w = 0;
-    for (const auto& [l, v] : rows_) w = std::max(w, l.size());
+    for (const auto& [l, v] : rows_) {
+      if (!v.empty()) w = std::max(w, l.size());
+    }
     for (const auto& [l, v] : rows_) {
       if (v.empty()) out << l << "\n";
       else out << "  " << std::left << std::setw(static_cast<int>(w) + 2) << l << v << "\n";

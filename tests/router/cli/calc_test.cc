@@ -1,4 +1,5 @@
 // kvctl calc: figures against the textbook, and errors that name the flag.
+#include <cctype>
 #include <sstream>
 
 #include <gtest/gtest.h>
