@@ -15,6 +15,9 @@ pkg_check_modules(HTTPLIB REQUIRED IMPORTED_TARGET cpp-httplib)
 
 find_program(KVPOOL_PROTOC protoc REQUIRED)
 find_program(KVPOOL_GRPC_CPP_PLUGIN grpc_cpp_plugin REQUIRED)
+# grpc/health/v1/health.proto (Debian package grpc-proto).
+find_path(KVPOOL_GRPC_PROTO_DIR grpc/health/v1/health.proto
+          PATHS /usr/share/grpc-proto REQUIRED NO_DEFAULT_PATH)
 
 if(KVPOOL_BUILD_TESTS)
   find_package(GTest REQUIRED)

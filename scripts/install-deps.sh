@@ -10,7 +10,7 @@ PACKAGES=(
   # toolchain
   g++ cmake ninja-build pkgconf git
   # RPC and serialization
-  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   # data plane and storage
   libucx-dev ucx-utils liburing-dev
   # libraries
@@ -18,7 +18,7 @@ PACKAGES=(
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev fio
   # charts (kvctl simulate --compare), multi-host tests (ip netns), process tools
-  gnuplot-nox iproute2 procps psmisc curl
+  gnuplot-nox iproute2 procps psmisc curl python3 python3-yaml
 )
 
 missing=()

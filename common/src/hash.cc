@@ -39,6 +39,7 @@ class ByteWriter {
 
  private:
   void Append(const uint8_t* p, size_t n) {
+    if (n == 0) return;  // an empty span may carry a null pointer: never memcpy from it
     if (heap_.empty() && size_ + n <= stack_.size()) {
       std::memcpy(stack_.data() + size_, p, n);
     } else {

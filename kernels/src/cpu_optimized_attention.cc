@@ -1,0 +1,302 @@
+// CPU optimized GQA and MLA kernels.
+//
+// Decode work items are (sequence, split of kGqaSplitTokens / kMlaSplitTokens
+// tokens); each walks its tokens in tiles of kTile and, per tile, every K/V head, so a
+// page is read once, front to back. Partials merge per sequence in split order, so the
+// result is independent of the thread count.
+// Prefill items are (sequence, kv head, block of queries) with causal masks per row.
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "cpu_attention.h"
+#include "cpu_optimized.h"
+
+namespace kvpool::kernels::internal {
+namespace {
+
+struct Split {
+  int b;
+  int t0, t1;  // token range
+};
+
+// Splits of every sequence, in (sequence, position) order; first[b] indexes seq b's.
+std::vector<Split> MakeSplits(const BlockTable& t, int split_tokens, std::vector<int>* first) {
+  std::vector<Split> splits;
+  first->assign(t.batch + 1, 0);
+  for (int b = 0; b < t.batch; ++b) {
+    (*first)[b] = static_cast<int>(splits.size());
+    for (int t0 = 0; t0 < t.seq_lens[b]; t0 += split_tokens) {
+      splits.push_back({b, t0, std::min(t.seq_lens[b], t0 + split_tokens)});
+    }
+  }
+  (*first)[t.batch] = static_cast<int>(splits.size());
+  return splits;
+}
+
+// Element offsets of the token slots [t0, t0+T) of one sequence (slot * token_stride).
+inline void SlotOffsets(const int32_t* table_row, int page_size, int64_t token_stride, int t0,
+                        int T, int64_t* off) {
+  for (int t = 0; t < T; ++t) {
+    const int pos = t0 + t;
+    off[t] = (int64_t{table_row[pos / page_size]} * page_size + pos % page_size) * token_stride;
+  }
+}
+
+// Prefetches the slots of tokens [t0, t0+T) of one sequence (row bytes from each slot
+// start) into cache. Pages of a sequence are scattered, so the hardware prefetcher
+// restarts at every page; asking one tile ahead keeps DRAM busy across page jumps.
+inline void PrefetchTile(const int32_t* table_row, int page_size, int64_t token_stride, int t0,
+                         int T, const void* base, size_t esz) {
+  const size_t row_bytes = static_cast<size_t>(token_stride) * esz;
+  for (int t = 0; t < T; ++t) {
+    const int pos = t0 + t;
+    const char* p = static_cast<const char*>(base) +
+                    (int64_t{table_row[pos / page_size]} * page_size + pos % page_size) * row_bytes;
+    for (size_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+  }
+}
+
+// Merges the splits of each sequence into out[b][R][dv].
+void MergeSplits(const CpuContext& cx, const std::vector<int>& first, int batch, int R, int dv,
+                 const std::vector<float>& ws_m, const std::vector<float>& ws_l,
+                 const std::vector<float>& ws_acc, float* out) {
+  cx.pool->ParallelFor(batch, [&](int64_t b) {
+    const int n = first[b + 1] - first[b];
+    std::vector<float> m(n), l(n);
+    std::vector<const float*> acc(n);
+    for (int r = 0; r < R; ++r) {
+      for (int i = 0; i < n; ++i) {
+        const int64_t row = int64_t{first[b] + i} * R + r;
+        m[i] = ws_m[row];
+        l[i] = ws_l[row];
+        acc[i] = ws_acc.data() + row * dv;
+      }
+      MergePartials(n, m.data(), l.data(), acc.data(), dv, out + (b * R + r) * int64_t{dv});
+    }
+  });
+}
+
+}  // namespace
+
+void CpuGqaDecode(const CpuContext& cx, const GqaDecodeParams& p) {
+  const GqaPagedKv& kv = p.kv;
+  const int d = kv.head_dim, Hkv = kv.num_kv_heads, G = p.num_q_heads / Hkv, Hq = p.num_q_heads;
+  const int64_t token_stride = int64_t{Hkv} * d;
+  const size_t esz = ElementBytes(kv.dtype);
+  const Elem elem = ElemOf(kv.dtype);
+  std::vector<int> first;
+  const std::vector<Split> splits = MakeSplits(p.table, kGqaSplitTokens, &first);
+  std::vector<float> ws_m(splits.size() * Hq), ws_l(splits.size() * Hq),
+      ws_acc(splits.size() * Hq * d);
+  cx.pool->ParallelFor(static_cast<int64_t>(splits.size()), [&](int64_t si) {
+    const Split& sp = splits[si];
+    const int32_t* row = p.table.block_table + int64_t{sp.b} * p.table.max_blocks;
+    const float* q = p.q + int64_t{sp.b} * Hq * d;
+    const SoftmaxRows all{Hq, d, &ws_m[si * Hq], &ws_l[si * Hq], &ws_acc[si * Hq * d]};
+    all.Reset();
+    alignas(64) float s[kTile * 16];
+    std::vector<float> s_big;  // groups of more than 16 heads
+    float* sbuf = s;
+    if (G > 16) {
+      s_big.resize(static_cast<size_t>(kTile) * G);
+      sbuf = s_big.data();
+    }
+    int64_t off[kTile];
+    const void* krows[kTile];
+    const void* vrows[kTile];
+    for (int t0 = sp.t0; t0 < sp.t1; t0 += kTile) {
+      const int T = std::min(kTile, sp.t1 - t0);
+      SlotOffsets(row, kv.page_size, token_stride, t0, T, off);
+      if (t0 + kTile < sp.t1) {
+        const int next = std::min(kTile, sp.t1 - t0 - kTile);
+        PrefetchTile(row, kv.page_size, token_stride, t0 + kTile, next, kv.k, esz);
+        PrefetchTile(row, kv.page_size, token_stride, t0 + kTile, next, kv.v, esz);
+      }
+      for (int h = 0; h < Hkv; ++h) {
+        for (int t = 0; t < T; ++t) {
+          krows[t] = static_cast<const char*>(kv.k) + (off[t] + int64_t{h} * d) * esz;
+          vrows[t] = static_cast<const char*>(kv.v) + (off[t] + int64_t{h} * d) * esz;
+        }
+        const SoftmaxRows st{G, d, all.m + h * G, all.l + h * G, all.acc + int64_t{h} * G * d};
+        cx.ops->score(q + int64_t{h} * G * d, G, d, krows, elem, T, p.scale, sbuf, kTile);
+        FoldTile(*cx.ops, st, T, sbuf, vrows, elem);
+      }
+    }
+  });
+  MergeSplits(cx, first, p.table.batch, Hq, d, ws_m, ws_l, ws_acc, p.out);
+}
+
+void CpuMlaDecodeAbsorbed(const CpuContext& cx, const MlaDecodeParams& p) {
+  const MlaPagedKv& kv = p.kv;
+  const int entry = kv.EntryDim(), rank = kv.kv_lora_rank, H = p.num_heads;
+  const size_t esz = ElementBytes(kv.dtype);
+  const Elem elem = ElemOf(kv.dtype);
+  std::vector<int> first;
+  const std::vector<Split> splits = MakeSplits(p.table, kMlaSplitTokens, &first);
+  std::vector<float> ws_m(splits.size() * H), ws_l(splits.size() * H),
+      ws_acc(splits.size() * H * rank);
+  cx.pool->ParallelFor(static_cast<int64_t>(splits.size()), [&](int64_t si) {
+    const Split& sp = splits[si];
+    const int32_t* row = p.table.block_table + int64_t{sp.b} * p.table.max_blocks;
+    const SoftmaxRows st{H, rank, &ws_m[si * H], &ws_l[si * H], &ws_acc[si * H * rank]};
+    st.Reset();
+    std::vector<float> s(static_cast<size_t>(kTile) * H);
+    int64_t off[kTile];
+    const void* rows[kTile];
+    for (int t0 = sp.t0; t0 < sp.t1; t0 += kTile) {
+      const int T = std::min(kTile, sp.t1 - t0);
+      SlotOffsets(row, kv.page_size, entry, t0, T, off);
+      if (t0 + kTile < sp.t1) {
+        PrefetchTile(row, kv.page_size, entry, t0 + kTile, std::min(kTile, sp.t1 - t0 - kTile),
+                     kv.entries, esz);
+      }
+      for (int t = 0; t < T; ++t) rows[t] = static_cast<const char*>(kv.entries) + off[t] * esz;
+      cx.ops->score(p.q + int64_t{sp.b} * H * entry, H, entry, rows, elem, T, p.scale, s.data(),
+                    kTile);
+      FoldTile(*cx.ops, st, T, s.data(), rows, elem);  // V = the first 512 of each entry
+    }
+  });
+  MergeSplits(cx, first, p.table.batch, H, rank, ws_m, ws_l, ws_acc, p.out);
+}
+
+namespace {
+
+// Causal attention of a block of `nq` queries (at cache positions pos0 .. pos0+nq-1)
+// with R = nq * G rows (row r = query r / G, head r % G) over K/V rows given by
+// row_of(t) -> {k, v} pointers. q_rows: [R][dk], out_rows[r] -> [dv].
+template <typename RowsFn>
+void CausalBlock(const SimdOps& ops, const float* q_rows, int nq, int G, int dk, int dv,
+                 int pos0, float scale, Elem elem, RowsFn rows_of, float* const* out_rows) {
+  const int R = nq * G;
+  std::vector<float> m(R), l(R), acc(static_cast<size_t>(R) * dv), s(static_cast<size_t>(R) * kTile);
+  const SoftmaxRows st{R, dv, m.data(), l.data(), acc.data()};
+  st.Reset();
+  const void* krows[kTile];
+  const void* vrows[kTile];
+  const int end = pos0 + nq;  // tokens any row of the block sees
+  for (int t0 = 0; t0 < end; t0 += kTile) {
+    const int T = std::min(kTile, end - t0);
+    rows_of(t0, T, krows, vrows);
+    ops.score(q_rows, R, dk, krows, elem, T, scale, s.data(), kTile);
+    if (t0 + T > pos0) {  // the tile reaches the diagonal: mask the future
+      for (int r = 0; r < R; ++r) {
+        const int limit = pos0 + r / G;  // last visible position
+        for (int t = std::max(0, limit + 1 - t0); t < T; ++t) s[static_cast<size_t>(r) * kTile + t] = kNegInf;
+      }
+    }
+    FoldTile(ops, st, T, s.data(), vrows, elem);
+  }
+  for (int r = 0; r < R; ++r) {
+    const float inv = 1.f / l[r];  // l > 0: every query sees at least itself
+    for (int j = 0; j < dv; ++j) out_rows[r][j] = acc[static_cast<size_t>(r) * dv + j] * inv;
+  }
+}
+
+constexpr int kQueryBlock = 16;
+
+struct QueryBlock {
+  int b, head, i0, n;  // sequence, head (kv head or MLA head), first query, count
+};
+
+std::vector<QueryBlock> MakeQueryBlocks(const BlockTable& t, const int32_t* q_indptr, int heads) {
+  std::vector<QueryBlock> blocks;
+  for (int b = 0; b < t.batch; ++b) {
+    const int q_len = q_indptr[b + 1] - q_indptr[b];
+    for (int h = 0; h < heads; ++h) {
+      for (int i0 = 0; i0 < q_len; i0 += kQueryBlock) {
+        blocks.push_back({b, h, i0, std::min(kQueryBlock, q_len - i0)});
+      }
+    }
+  }
+  return blocks;
+}
+
+}  // namespace
+
+void CpuGqaPrefill(const CpuContext& cx, const GqaPrefillParams& p) {
+  const GqaPagedKv& kv = p.kv;
+  const int d = kv.head_dim, Hkv = kv.num_kv_heads, Hq = p.num_q_heads, G = Hq / Hkv;
+  const int64_t token_stride = int64_t{Hkv} * d;
+  const size_t esz = ElementBytes(kv.dtype);
+  const std::vector<QueryBlock> blocks = MakeQueryBlocks(p.table, p.q_indptr, Hkv);
+  cx.pool->ParallelFor(static_cast<int64_t>(blocks.size()), [&](int64_t bi) {
+    const QueryBlock& qb = blocks[bi];
+    const int32_t* row = p.table.block_table + int64_t{qb.b} * p.table.max_blocks;
+    const int q_len = p.q_indptr[qb.b + 1] - p.q_indptr[qb.b];
+    const int pos0 = p.table.seq_lens[qb.b] - q_len + qb.i0;
+    std::vector<float> q_rows(static_cast<size_t>(qb.n) * G * d);
+    std::vector<float*> out_rows(static_cast<size_t>(qb.n) * G);
+    for (int i = 0; i < qb.n; ++i) {
+      for (int g = 0; g < G; ++g) {
+        const int64_t at = (int64_t{p.q_indptr[qb.b] + qb.i0 + i} * Hq + qb.head * G + g) * d;
+        std::memcpy(&q_rows[(static_cast<size_t>(i) * G + g) * d], p.q + at, d * sizeof(float));
+        out_rows[static_cast<size_t>(i) * G + g] = p.out + at;
+      }
+    }
+    int64_t off[kTile];
+    auto rows_of = [&](int t0, int T, const void** krows, const void** vrows) {
+      SlotOffsets(row, kv.page_size, token_stride, t0, T, off);
+      for (int t = 0; t < T; ++t) {
+        krows[t] = static_cast<const char*>(kv.k) + (off[t] + int64_t{qb.head} * d) * esz;
+        vrows[t] = static_cast<const char*>(kv.v) + (off[t] + int64_t{qb.head} * d) * esz;
+      }
+    };
+    CausalBlock(*cx.ops, q_rows.data(), qb.n, G, d, d, pos0, p.scale, ElemOf(kv.dtype), rows_of,
+                out_rows.data());
+  });
+}
+
+void CpuMlaMaterialized(const CpuContext& cx, const MlaMaterializedParams& p) {
+  const MlaPagedKv& kv = p.kv;
+  const int entry = kv.EntryDim(), rank = kv.kv_lora_rank, rope = kv.rope_dim;
+  const int nope = p.qk_nope_dim, dv = p.v_head_dim, H = p.num_heads, dk = nope + rope;
+  // Items (sequence, head): up-project the head's K and V once, then run its queries.
+  struct Item {
+    int b, h;
+  };
+  std::vector<Item> items;
+  for (int b = 0; b < p.table.batch; ++b) {
+    if (p.q_indptr[b + 1] == p.q_indptr[b]) continue;
+    for (int h = 0; h < H; ++h) items.push_back({b, h});
+  }
+  cx.pool->ParallelFor(static_cast<int64_t>(items.size()), [&](int64_t ii) {
+    const auto [b, h] = items[ii];
+    const int32_t* row = p.table.block_table + int64_t{b} * p.table.max_blocks;
+    const int n = p.table.seq_lens[b], q_len = p.q_indptr[b + 1] - p.q_indptr[b];
+    std::vector<float> K(static_cast<size_t>(n) * dk), V(static_cast<size_t>(n) * dv), c(entry);
+    const float* wk = p.w_uk + int64_t{h} * nope * rank;
+    const float* wv = p.w_uv + int64_t{h} * dv * rank;
+    for (int t = 0; t < n; ++t) {
+      const int64_t slot = int64_t{row[t / kv.page_size]} * kv.page_size + t % kv.page_size;
+      for (int i = 0; i < entry; ++i) c[i] = LoadAsFloat(kv.entries, kv.dtype, slot * entry + i);
+      float* kt = &K[static_cast<size_t>(t) * dk];
+      for (int j = 0; j < nope; ++j) kt[j] = cx.ops->dot(wk + int64_t{j} * rank, c.data(), rank);
+      std::memcpy(kt + nope, c.data() + rank, rope * sizeof(float));
+      for (int j = 0; j < dv; ++j) {
+        V[static_cast<size_t>(t) * dv + j] = cx.ops->dot(wv + int64_t{j} * rank, c.data(), rank);
+      }
+    }
+    auto rows_of = [&](int t0, int T, const void** krows, const void** vrows) {
+      for (int t = 0; t < T; ++t) {
+        krows[t] = &K[static_cast<size_t>(t0 + t) * dk];
+        vrows[t] = &V[static_cast<size_t>(t0 + t) * dv];
+      }
+    };
+    std::vector<float> q_rows(static_cast<size_t>(kQueryBlock) * dk);
+    std::vector<float*> out_rows(kQueryBlock);
+    for (int i0 = 0; i0 < q_len; i0 += kQueryBlock) {
+      const int nq = std::min(kQueryBlock, q_len - i0);
+      for (int i = 0; i < nq; ++i) {
+        const int64_t qi = int64_t{p.q_indptr[b] + i0 + i} * H + h;
+        std::memcpy(&q_rows[static_cast<size_t>(i) * dk], p.q_nope + qi * nope, nope * sizeof(float));
+        std::memcpy(&q_rows[static_cast<size_t>(i) * dk + nope], p.q_rope + qi * rope, rope * sizeof(float));
+        out_rows[i] = p.out + qi * dv;
+      }
+      CausalBlock(*cx.ops, q_rows.data(), nq, 1, dk, dv, n - q_len + i0, p.scale, Elem::kF32,
+                  rows_of, out_rows.data());
+    }
+  });
+}
+
+}  // namespace kvpool::kernels::internal

@@ -1,0 +1,51 @@
+// Inner loops of the CPU optimized backend, behind a table of function pointers
+// chosen once at runtime: AVX2+FMA+F16C when the CPU has them, portable loops
+// otherwise.
+//
+// This header is included by a translation unit compiled with -mavx2 -mfma -mf16c,
+// so it must stay free of inline code from other headers (an inline function
+// compiled with AVX2 there could be picked by the linker for everyone).
+#pragma once
+
+#include <cstdint>
+
+namespace kvpool::kernels::internal {
+
+// Element type of K/V rows (the cache dtypes the kernels accept).
+enum class Elem : int { kF32 = 0, kBf16 = 1, kF16 = 2 };
+
+// Tokens per softmax tile: scores of up to kTile tokens are formed, then folded into
+// the running max/sum/accumulator at once.
+inline constexpr int kTile = 64;
+
+struct SimdOps {
+  const char* isa;  // "avx2" or "generic"
+  // s[r*ld + t] = scale * sum_i q[r*dim + i] * rows[t][i]   for r < R, t < T.
+  void (*score)(const float* q, int R, int dim, const void* const* rows, Elem elem, int T,
+                float scale, float* s, int ld);
+  // acc[r*dv + j] += sum_t p[r*ld + t] * rows[t][j]          for r < R, j < dv.
+  void (*accum)(const float* p, int R, int ld, const void* const* rows, Elem elem, int T,
+                int dv, float* acc);
+  // x[i] = exp(x[i]) for x <= 0; x < -87 (and -inf) gives exactly 0.
+  void (*exp_nonpos)(float* x, int n);
+  // y[i] += a * x[i].
+  void (*axpy)(float a, const float* x, float* y, int n);
+  // y[i] *= a.
+  void (*scal)(float a, float* y, int n);
+  // sum_i a[i] * b[i].
+  float (*dot)(const float* a, const float* b, int n);
+  // One KDA step of one head (kda.h) with alpha = exp(g) given:
+  //   u = S^T (alpha*k); S = Diag(alpha) S + k (beta (v - u))^T; out = scale S^T q.
+  // S: [dk][dv] in place; u: [dv] scratch.
+  void (*kda_step)(float* S, int dk, int dv, const float* q, const float* k, const float* v,
+                   const float* alpha, float beta, float scale, float* out, float* u);
+};
+
+const SimdOps& GenericOps();
+// nullptr when this build has no AVX2 variant (non-x86 targets).
+const SimdOps* Avx2Ops();
+// AVX2 when compiled in and the CPU supports avx2, fma and f16c; generic otherwise.
+// KVPOOL_KERNELS_ISA=generic in the environment forces the portable loops.
+const SimdOps& BestOps();
+
+}  // namespace kvpool::kernels::internal

@@ -1,0 +1,6 @@
+// Non-x86 builds: no AVX2 variant; BestOps() uses the portable loops.
+#include "cpu_simd.h"
+
+namespace kvpool::kernels::internal {
+const SimdOps* Avx2Ops() { return nullptr; }
+}  // namespace kvpool::kernels::internal

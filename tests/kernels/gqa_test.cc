@@ -1,0 +1,289 @@
+// GQA paged decode and prefill against a double-precision oracle over contiguous
+// copies of the cache (paged == contiguous), with shuffled block tables and NaN in
+// every page slot no sequence owns.
+//
+// Tolerances. The oracle reads exactly the values the pages hold, so the cache dtype
+// does not enter the comparison: what is left is fp32 accumulation over <= 2.1K
+// tokens (about sqrt(n) * 6e-8 relative, ~3e-6) plus the CPU's vector exp (< 2e-7
+// relative). atol 2e-5 + rtol 2e-4 leaves a 5x margin and is still ~1000x below the
+// error of reading one wrong token. Fidelity to the unrounded fp32 inputs, per dtype,
+// is checked separately (see DTypeFidelity).
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "kernel_test.h"
+#include "test_util.h"
+
+namespace kvpool::kernels::testing {
+namespace {
+
+constexpr double kAtol = 2e-5, kRtol = 2e-4;
+
+struct GqaShape {
+  int head_dim, num_q, num_kv;
+};
+
+// Runs a decode on `be` over `lens`; returns the output and checks it against the oracle.
+std::vector<float> RunDecode(KernelBackend* be, DType dt, int page, GqaShape s,
+                             const std::vector<int>& lens, uint32_t seed, double* worst) {
+  const int row = s.num_kv * s.head_dim;
+  PagedStore k(dt, page, row, lens, seed), v(dt, page, row, lens, seed);
+  // v has k's block table (same seed, same shuffle); give it different values.
+  const int batch = static_cast<int>(lens.size());
+  std::vector<float> q = RandomVec(static_cast<size_t>(batch) * s.num_q * s.head_dim, seed + 7);
+  std::vector<float> out(q.size(), std::nanf(""));
+  // Different V values, same layout: regenerate V's pages with another seed mapping.
+  for (size_t b = 0; b < lens.size(); ++b) {
+    for (auto& x : v.tokens[b]) x = RoundTo(dt, -0.5f * x + 0.25f);
+    for (int t = 0; t < lens[b]; ++t) {
+      const int64_t slot = int64_t{v.table[b * v.max_blocks + t / page]} * page + t % page;
+      for (int i = 0; i < row; ++i) {
+        StoreFromFloat(v.bytes.data(), dt, slot * row + i, v.tokens[b][static_cast<size_t>(t) * row + i]);
+      }
+    }
+  }
+  DeviceBuf dk(be, k.bytes), dv(be, v.bytes), dq(be, q), dout(be, out), dtab(be, k.table),
+      dlen(be, k.seq_lens);
+  GqaDecodeParams p;
+  p.q = dq.as<float>();
+  p.out = dout.as<float>();
+  p.kv = {dk.as<void>(), dv.as<void>(), dt, k.num_pages, page, s.num_kv, s.head_dim};
+  p.table = {dtab.as<int32_t>(), dlen.as<int32_t>(), batch, k.max_blocks};
+  p.num_q_heads = s.num_q;
+  const absl::Status st = be->GqaDecode(p);
+  EXPECT_TRUE(st.ok()) << st;
+  out = dout.Read<float>();
+  const int G = s.num_q / s.num_kv;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(s.head_dim));
+  *worst = 0;
+  for (int b = 0; b < batch; ++b) {
+    for (int h = 0; h < s.num_q; ++h) {
+      const int kvh = h / G;
+      const size_t at = (static_cast<size_t>(b) * s.num_q + h) * s.head_dim;
+      auto ref = OracleAttend(
+          &q[at], s.head_dim, s.head_dim, lens[b], scale,
+          [&](int t) { return &k.tokens[b][static_cast<size_t>(t) * row + kvh * s.head_dim]; },
+          [&](int t) { return &v.tokens[b][static_cast<size_t>(t) * row + kvh * s.head_dim]; });
+      *worst = std::max(*worst, WorstRatio(&out[at], ref, s.head_dim, kAtol, kRtol));
+      if (lens[b] == 0) {  // zero-length sequences give exact zeros (no NaN)
+        for (int j = 0; j < s.head_dim; ++j) EXPECT_EQ(out[at + j], 0.f);
+      }
+    }
+  }
+  return out;
+}
+
+TEST_P(GqaTest, DecodeMatchesContiguousOracle) {
+  const GqaShape shapes[] = {{64, 4, 2}, {128, 9, 3}, {64, 7, 1}, {128, 8, 8}};
+  uint32_t seed = 1;
+  for (DType dt : {DType::kBf16, DType::kFp16, DType::kFp32}) {
+    for (int page : {1, 16, 64}) {
+      for (const GqaShape& s : shapes) {
+        // 0: empty; 1: one token; 37 and 130: partial pages (splits: the next test).
+        double worst = 0;
+        RunDecode(be_.get(), dt, page, s, {37, 0, 1, 130}, seed++, &worst);
+        EXPECT_LE(worst, 1.0) << DTypeStr(dt) << " page=" << page << " d=" << s.head_dim
+                              << " q=" << s.num_q << " kv=" << s.num_kv;
+      }
+    }
+  }
+}
+
+TEST_P(GqaTest, DecodeLongContextSplitsAndMerges) {
+  double worst = 0;
+  // 2049: three splits, the last of one token; 1024: exactly one split.
+  RunDecode(be_.get(), DType::kBf16, 16, {128, 8, 2}, {2049, 1024, 5}, 99, &worst);
+  EXPECT_LE(worst, 1.0);
+}
+
+TEST_P(GqaTest, DecodeIsBitwiseReproducible) {
+  double w1 = 0, w2 = 0;
+  const auto a = RunDecode(be_.get(), DType::kBf16, 16, {64, 4, 2}, {3000, 5, 700}, 5, &w1);
+  const auto b = RunDecode(be_.get(), DType::kBf16, 16, {64, 4, 2}, {3000, 5, 700}, 5, &w2);
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0);
+  if (GetParam() == Backend::kCpuOptimized) {  // and independent of the thread count
+    for (int threads : {1, 3}) {
+      auto other = MakeBackend(Backend::kCpuOptimized, threads);
+      const auto c = RunDecode(other.get(), DType::kBf16, 16, {64, 4, 2}, {3000, 5, 700}, 5, &w2);
+      EXPECT_EQ(std::memcmp(a.data(), c.data(), a.size() * sizeof(float)), 0) << threads;
+    }
+  }
+}
+
+// Prefill: sequences of (cached prefix, new tokens); the new tokens' K/V are the last
+// q_len entries of each sequence.
+void CheckPrefill(KernelBackend* be, DType dt, int page, GqaShape s,
+                  const std::vector<std::pair<int, int>>& seqs, uint32_t seed) {
+  std::vector<int> lens;
+  std::vector<int32_t> indptr = {0};
+  for (auto [prefix, q_len] : seqs) {
+    lens.push_back(prefix + q_len);
+    indptr.push_back(indptr.back() + q_len);
+  }
+  const int row = s.num_kv * s.head_dim, batch = static_cast<int>(seqs.size());
+  PagedStore k(dt, page, row, lens, seed), v(dt, page, row, lens, seed + 1000);
+  v.table = k.table;  // V must follow K's block table: rewrite V's pages under it
+  for (size_t i = 0; i < v.bytes.size() / ElementBytes(dt); ++i) {
+    StoreFromFloat(v.bytes.data(), dt, i, std::nanf(""));
+  }
+  for (size_t b = 0; b < lens.size(); ++b) {
+    for (int t = 0; t < lens[b]; ++t) {
+      const int64_t slot = int64_t{k.table[b * k.max_blocks + t / page]} * page + t % page;
+      for (int i = 0; i < row; ++i) {
+        StoreFromFloat(v.bytes.data(), dt, slot * row + i, v.tokens[b][static_cast<size_t>(t) * row + i]);
+      }
+    }
+  }
+  const int total = indptr.back();
+  std::vector<float> q = RandomVec(static_cast<size_t>(total) * s.num_q * s.head_dim, seed + 3);
+  std::vector<float> out(q.size(), std::nanf(""));
+  DeviceBuf dk(be, k.bytes), dv(be, v.bytes), dq(be, q), dout(be, out), dtab(be, k.table),
+      dlen(be, k.seq_lens), dind(be, indptr);
+  GqaPrefillParams p;
+  p.q = dq.as<float>();
+  p.q_indptr = dind.as<int32_t>();
+  p.out = dout.as<float>();
+  p.kv = {dk.as<void>(), dv.as<void>(), dt, std::max(k.num_pages, v.num_pages), page, s.num_kv,
+          s.head_dim};
+  p.table = {dtab.as<int32_t>(), dlen.as<int32_t>(), batch, k.max_blocks};
+  p.num_q_heads = s.num_q;
+  ASSERT_TRUE(be->GqaPrefill(p).ok());
+  out = dout.Read<float>();
+  const int G = s.num_q / s.num_kv;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(s.head_dim));
+  double worst = 0;
+  for (int b = 0; b < batch; ++b) {
+    const int q_len = indptr[b + 1] - indptr[b], prefix = lens[b] - q_len;
+    for (int i = 0; i < q_len; ++i) {
+      for (int h = 0; h < s.num_q; ++h) {
+        const size_t at = (static_cast<size_t>(indptr[b] + i) * s.num_q + h) * s.head_dim;
+        const int kvh = h / G;
+        auto ref = OracleAttend(
+            &q[at], s.head_dim, s.head_dim, prefix + i + 1, scale,
+            [&](int t) { return &k.tokens[b][static_cast<size_t>(t) * row + kvh * s.head_dim]; },
+            [&](int t) { return &v.tokens[b][static_cast<size_t>(t) * row + kvh * s.head_dim]; });
+        worst = std::max(worst, WorstRatio(&out[at], ref, s.head_dim, kAtol, kRtol));
+      }
+    }
+  }
+  EXPECT_LE(worst, 1.0) << DTypeStr(dt) << " page=" << page << " d=" << s.head_dim;
+}
+
+TEST_P(GqaTest, PrefillCausalOverCachedPrefix) {
+  // (prefix, new): no prefix; prefix + new spanning pages; no new tokens; empty; long.
+  const std::vector<std::pair<int, int>> seqs = {{0, 5}, {30, 20}, {70, 0}, {0, 0}, {200, 33}, {3, 1}};
+  CheckPrefill(be_.get(), DType::kBf16, 1, {64, 4, 2}, seqs, 40);
+  CheckPrefill(be_.get(), DType::kFp16, 16, {128, 6, 3}, seqs, 41);
+  CheckPrefill(be_.get(), DType::kFp32, 64, {64, 5, 1}, seqs, 42);
+  CheckPrefill(be_.get(), DType::kBf16, 16, {128, 8, 8}, seqs, 43);
+}
+
+// Against the unrounded fp32 values: the error a cache dtype costs. Outputs are
+// convex combinations of V (|v| <= 1). bf16 keeps 8 significant bits (relative
+// rounding <= 2^-9 = 2e-3 per element); a score moves by at most
+// scale * sum |q||dk| <= sqrt(d) * 2^-9 ~ 0.02 (d = 128), so probabilities move by
+// ~2%, plus 2e-3 on V: bound 3e-2. fp16 keeps 11 bits: 8x smaller, 4e-3. fp32: the
+// accumulation tolerance above.
+TEST_P(GqaTest, DTypeFidelity) {
+  const struct {
+    DType dt;
+    double atol;
+  } cases[] = {{DType::kBf16, 3e-2}, {DType::kFp16, 4e-3}, {DType::kFp32, 2e-5}};
+  for (const auto& c : cases) {
+    const int d = 128, nkv = 2, nq = 4, len = 300, page = 16;
+    std::vector<float> kf = RandomVec(static_cast<size_t>(len) * nkv * d, 11);
+    std::vector<float> vf = RandomVec(kf.size(), 12);
+    std::vector<float> q = RandomVec(static_cast<size_t>(nq) * d, 13);
+    const int pages = (len + page - 1) / page;
+    std::vector<int32_t> table(pages), lens = {len};
+    for (int i = 0; i < pages; ++i) table[i] = pages - 1 - i;  // reversed
+    const size_t esz = ElementBytes(c.dt);
+    std::vector<uint8_t> kb(static_cast<size_t>(pages) * page * nkv * d * esz), vb(kb.size());
+    for (int t = 0; t < len; ++t) {
+      const int64_t slot = int64_t{table[t / page]} * page + t % page;
+      for (int i = 0; i < nkv * d; ++i) {
+        StoreFromFloat(kb.data(), c.dt, slot * nkv * d + i, kf[static_cast<size_t>(t) * nkv * d + i]);
+        StoreFromFloat(vb.data(), c.dt, slot * nkv * d + i, vf[static_cast<size_t>(t) * nkv * d + i]);
+      }
+    }
+    std::vector<float> out(q.size());
+    DeviceBuf dk(be_.get(), kb), dv(be_.get(), vb), dq(be_.get(), q), dout(be_.get(), out),
+        dtab(be_.get(), table), dlen(be_.get(), lens);
+    GqaDecodeParams p;
+    p.q = dq.as<float>();
+    p.out = dout.as<float>();
+    p.kv = {dk.as<void>(), dv.as<void>(), c.dt, pages, page, nkv, d};
+    p.table = {dtab.as<int32_t>(), dlen.as<int32_t>(), 1, pages};
+    p.num_q_heads = nq;
+    ASSERT_TRUE(be_->GqaDecode(p).ok());
+    out = dout.Read<float>();
+    double worst = 0;
+    for (int h = 0; h < nq; ++h) {
+      auto ref = OracleAttend(
+          &q[static_cast<size_t>(h) * d], d, d, len, 1.0 / std::sqrt(double{d}),
+          [&](int t) { return &kf[(static_cast<size_t>(t) * nkv + h / 2) * d]; },
+          [&](int t) { return &vf[(static_cast<size_t>(t) * nkv + h / 2) * d]; });
+      worst = std::max(worst, WorstRatio(&out[static_cast<size_t>(h) * d], ref, d, c.atol, 0.0));
+    }
+    EXPECT_LE(worst, 1.0) << DTypeStr(c.dt);
+  }
+}
+
+// Shape checks name the argument (host content checks only where tables are on host).
+TEST_P(GqaTest, LaunchersNameTheWrongArgument) {
+  std::vector<uint16_t> pages(64 * 16 * 2 * 64);
+  std::vector<int32_t> table = {0, 1}, lens = {20};
+  std::vector<float> q(4 * 64), out(4 * 64);
+  GqaDecodeParams p;
+  p.q = q.data();
+  p.out = out.data();
+  p.kv = {pages.data(), pages.data(), DType::kBf16, 2, 16, 2, 64};
+  p.table = {table.data(), lens.data(), 1, 2};
+  p.num_q_heads = 4;
+  if (!host()) GTEST_SKIP() << "argument checks use host buffers; covered by the CPU backends";
+  ASSERT_TRUE(be_->GqaDecode(p).ok());
+  auto expect = [&](GqaDecodeParams bad, const char* arg) {
+    const absl::Status st = be_->GqaDecode(bad);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << arg;
+    EXPECT_NE(std::string(st.message()).find(arg), std::string::npos) << st;
+  };
+  GqaDecodeParams b = p;
+  b.kv.head_dim = 96;
+  expect(b, "kv.head_dim");
+  b = p;
+  b.kv.page_size = 8;
+  expect(b, "kv.page_size");
+  b = p;
+  b.kv.dtype = DType::kFp8;
+  expect(b, "kv.dtype");
+  b = p;
+  b.num_q_heads = 3;
+  expect(b, "num_q_heads");
+  b = p;
+  b.q = nullptr;
+  expect(b, "q");
+  std::vector<int32_t> bad_table = {0, 2};
+  b = p;
+  b.table.block_table = bad_table.data();
+  expect(b, "table.block_table[0][1]");
+  std::vector<int32_t> long_len = {33};
+  b = p;
+  b.table.seq_lens = long_len.data();
+  expect(b, "table.seq_lens[0]");
+  GqaPrefillParams pf;
+  pf.q = q.data();
+  pf.out = out.data();
+  pf.kv = p.kv;
+  pf.table = p.table;
+  pf.num_q_heads = 4;
+  std::vector<int32_t> indptr = {0, 21};
+  pf.q_indptr = indptr.data();
+  const absl::Status st = be_->GqaPrefill(pf);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(st.message()).find("q_indptr"), std::string::npos) << st;
+}
+
+}  // namespace
+}  // namespace kvpool::kernels::testing

@@ -1,0 +1,174 @@
+// BlockPool on its own: the free queue, lazy eviction, duplicates, runs, events.
+#include "kvpool/worker/cache/block_pool.h"
+
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "test_util.h"
+
+namespace kvpool::cache {
+namespace {
+
+using ::testing::ElementsAre;
+
+BlockHash H(uint64_t v) { return BlockHash{v, v * 31 + 7}; }
+
+TEST(BlockPoolTest, NullBlockIsNeverHandedOut) {
+  BlockPool pool({.num_blocks = 4});
+  EXPECT_EQ(pool.num_free_blocks(), 3);
+  EXPECT_THAT(pool.FreeQueueOrder(), ElementsAre(1, 2, 3));
+  EXPECT_EQ(pool.GetNewBlock(), 1);
+  EXPECT_EQ(pool.GetNewBlock(), 2);
+  EXPECT_EQ(pool.GetNewBlock(), 3);
+  EXPECT_EQ(pool.num_free_blocks(), 0);
+  EXPECT_EQ(pool.num_used_blocks(), 3);
+}
+
+TEST(BlockPoolTest, UncachedFreesGoToHeadCachedToTail) {
+  BlockPool pool({.num_blocks = 6});
+  const BlockId a = pool.GetNewBlock(), b = pool.GetNewBlock(), c = pool.GetNewBlock();
+  pool.CacheFullBlocks(std::vector<BlockId>{a, b}, std::vector<BlockHash>{H(1), H(2)},
+                       std::nullopt);
+  // Reverse order, as Free does: c (partial), b, a.
+  pool.FreeBlock(c);
+  pool.FreeBlock(b);
+  pool.FreeBlock(a);
+  EXPECT_THAT(pool.FreeQueueOrder(), ElementsAre(c, 4, 5, b, a));
+  // Lazy: the hashes stay findable while the blocks are free.
+  EXPECT_EQ(pool.GetCachedBlock(H(1)), a);
+  EXPECT_EQ(pool.GetCachedBlock(H(2)), b);
+}
+
+TEST(BlockPoolTest, TouchTakesAFreeBlockOffTheQueue) {
+  BlockPool pool({.num_blocks = 4});
+  const BlockId a = pool.GetNewBlock();
+  pool.CacheFullBlocks(std::vector<BlockId>{a}, std::vector<BlockHash>{H(1)}, std::nullopt);
+  pool.FreeBlock(a);
+  EXPECT_EQ(pool.num_free_blocks(), 3);
+  pool.Touch(a);
+  EXPECT_EQ(pool.block(a).ref_cnt, 1);
+  EXPECT_EQ(pool.num_free_blocks(), 2);
+  EXPECT_THAT(pool.FreeQueueOrder(), ElementsAre(2, 3));
+  pool.Touch(a);  // a second holder: no queue change
+  EXPECT_EQ(pool.block(a).ref_cnt, 2);
+  pool.FreeBlock(a);
+  EXPECT_EQ(pool.num_free_blocks(), 2);
+  pool.FreeBlock(a);
+  EXPECT_THAT(pool.FreeQueueOrder(), ElementsAre(2, 3, a));
+}
+
+TEST(BlockPoolTest, ReusedBlockLosesItsHashAndReportsRemoval) {
+  RecordingEventSink sink;
+  BlockPool pool({.num_blocks = 2, .source_id = "w0", .event_sink = &sink});
+  const BlockId a = pool.GetNewBlock();
+  pool.CacheFullBlocks(std::vector<BlockId>{a}, std::vector<BlockHash>{H(9)}, std::nullopt);
+  pool.FreeBlock(a);
+  EXPECT_EQ(pool.GetNewBlock(), a);  // the only block: reused
+  pool.FlushEvents();
+  EXPECT_EQ(pool.GetCachedBlock(H(9)), kNoBlock);
+  EXPECT_FALSE(pool.block(a).is_cached);
+  ASSERT_EQ(sink.events().size(), 2u);
+  EXPECT_EQ(sink.events()[0].type, KvEvent::Type::kStored);
+  EXPECT_EQ(sink.events()[1].type, KvEvent::Type::kRemoved);
+  EXPECT_THAT(sink.events()[1].hashes, ElementsAre(H(9)));
+  EXPECT_EQ(sink.events()[1].sequence, 2u);
+  EXPECT_EQ(sink.source_ids()[1], "w0");
+  EXPECT_EQ(pool.stats().evicted_blocks, 1u);
+}
+
+TEST(BlockPoolTest, DuplicateHashStaysCachedUntilLastCopyGoes) {
+  RecordingEventSink sink;
+  BlockPool pool({.num_blocks = 3, .event_sink = &sink});
+  const BlockId a = pool.GetNewBlock(), b = pool.GetNewBlock();
+  pool.CacheFullBlocks(std::vector<BlockId>{a}, std::vector<BlockHash>{H(5)}, std::nullopt);
+  pool.CacheFullBlocks(std::vector<BlockId>{b}, std::vector<BlockHash>{H(5)}, std::nullopt);
+  EXPECT_EQ(sink.events().size(), 1u) << "a hash is announced once";
+  pool.FreeBlock(a);
+  pool.FreeBlock(b);
+  EXPECT_EQ(pool.GetNewBlock(), a);
+  pool.FlushEvents();
+  EXPECT_TRUE(pool.IsCached(H(5), StateKind::kAttnKv));
+  EXPECT_EQ(pool.GetCachedBlock(H(5)), b);
+  EXPECT_EQ(sink.events().size(), 1u);
+  EXPECT_EQ(pool.GetNewBlock(), b);
+  pool.FlushEvents();
+  EXPECT_FALSE(pool.IsCached(H(5), StateKind::kAttnKv));
+  ASSERT_EQ(sink.events().size(), 2u);
+  EXPECT_EQ(sink.events()[1].type, KvEvent::Type::kRemoved);
+}
+
+TEST(BlockPoolTest, CheckpointRunIsEvictedAsAUnit) {
+  RecordingEventSink sink;
+  BlockPool pool({.num_blocks = 6, .event_sink = &sink});
+  const BlockId head = pool.GetNewRun(3);
+  EXPECT_EQ(pool.num_free_blocks(), 2);
+  pool.CacheCheckpoint(head, H(77), H(76));
+  const std::vector<BlockId> pages = pool.RunPages(head);
+  ASSERT_EQ(pages.size(), 3u);
+  pool.FreeRun(head);
+  EXPECT_EQ(pool.num_free_blocks(), 5);
+  // Two never-used blocks first, then the run's pages.
+  EXPECT_EQ(pool.GetNewBlock(), 4);
+  EXPECT_EQ(pool.GetNewBlock(), 5);
+  EXPECT_EQ(pool.GetCachedCheckpoint(H(77)), head);
+  // Reusing one page of the run drops the checkpoint; its other pages become plain free
+  // blocks at the head of the queue.
+  const BlockId taken = pool.GetNewBlock();
+  pool.FlushEvents();
+  EXPECT_EQ(taken, pages[0]);
+  EXPECT_EQ(pool.GetCachedCheckpoint(H(77)), kNoBlock);
+  EXPECT_EQ(pool.num_free_blocks(), 2);
+  for (BlockId p : pool.FreeQueueOrder()) {
+    EXPECT_FALSE(pool.block(p).is_cached);
+    EXPECT_EQ(pool.block(p).kind, StateKind::kAttnKv);
+  }
+  ASSERT_EQ(sink.events().size(), 2u);
+  EXPECT_EQ(sink.events()[0].kind, StateKind::kLinearState);
+  EXPECT_EQ(sink.events()[0].parent, H(76));
+  EXPECT_EQ(sink.events()[1].type, KvEvent::Type::kRemoved);
+  EXPECT_EQ(sink.events()[1].kind, StateKind::kLinearState);
+  EXPECT_EQ(pool.stats().evicted_checkpoints, 1u);
+}
+
+TEST(BlockPoolTest, UncachedRunDissolvesIntoFreeBlocks) {
+  BlockPool pool({.num_blocks = 5});
+  const BlockId head = pool.GetNewRun(2);
+  pool.FreeRun(head);
+  EXPECT_EQ(pool.num_free_blocks(), 4);
+  for (BlockId p = 1; p < 5; ++p) EXPECT_EQ(pool.block(p).run_head, kNoBlock);
+}
+
+TEST(BlockPoolTest, EvictCachedDropsOnlyFreeCopies) {
+  BlockPool pool({.num_blocks = 4});
+  const BlockId a = pool.GetNewBlock(), b = pool.GetNewBlock();
+  pool.CacheFullBlocks(std::vector<BlockId>{a}, std::vector<BlockHash>{H(3)}, std::nullopt);
+  EXPECT_EQ(pool.EvictCached(H(3), StateKind::kAttnKv).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  pool.CacheFullBlocks(std::vector<BlockId>{b}, std::vector<BlockHash>{H(3)}, std::nullopt);
+  pool.FreeBlock(b);
+  auto dropped = pool.EvictCached(H(3), StateKind::kAttnKv);
+  ASSERT_TRUE(dropped.ok()) << dropped.status();
+  EXPECT_EQ(*dropped, 1);
+  EXPECT_EQ(pool.GetCachedBlock(H(3)), a);
+  EXPECT_EQ(pool.FreeQueueOrder().front(), b);
+  EXPECT_EQ(pool.EvictCached(H(4), StateKind::kAttnKv).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST(BlockPoolTest, ResetRefusesWhileInUse) {
+  RecordingEventSink sink;
+  BlockPool pool({.num_blocks = 3, .event_sink = &sink});
+  const BlockId a = pool.GetNewBlock();
+  pool.CacheFullBlocks(std::vector<BlockId>{a}, std::vector<BlockHash>{H(1)}, std::nullopt);
+  absl::Status s = pool.ResetPrefixCache();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(pool.IsCached(H(1), StateKind::kAttnKv));
+  pool.FreeBlock(a);
+  ASSERT_TRUE(pool.ResetPrefixCache().ok());
+  EXPECT_FALSE(pool.IsCached(H(1), StateKind::kAttnKv));
+  EXPECT_EQ(sink.events().back().type, KvEvent::Type::kCleared);
+}
+
+}  // namespace
+}  // namespace kvpool::cache
