@@ -1,0 +1,414 @@
+// transport_bench: put/get bandwidth of kvpool::transport between two processes, each
+// figure next to a baseline measured in the same run.
+//
+//   transport_bench [--json] [--tls "sm,cma,self;tcp"] [--arena-mib 1024] [--seconds 0.4]
+//
+// For each UCX_TLS setting the bench spawns itself as the owner (`--serve`, the pool node
+// side, UCX_TLS in its environment) and drives it as the initiator:
+//   4KiB, 64KiB, 1MiB     one message per batch, the same buffer every time, a window of
+//                         batches in flight            vs ucx_perftest, same size
+//   16x64KiB              a page run of 16 scattered 64 KiB pages, same pages every time
+//                                                      vs ucx_perftest, 64 KiB messages
+//   256x4KiB              a batch of 256 scattered 4 KiB pages   vs ucx_perftest, 4 KiB
+//                         (absolute target: >= 4 GB/s over shared memory)
+//   16x64KiB_dram         page runs at random places in arenas larger than the caches
+//                                                      vs memcpy of the same pages
+// Baselines: ucx_perftest (ucp_put_bw / ucp_get over shared memory, ucp_am_bw over tcp,
+// where UCX has no native get) runs as two processes with the same UCX_TLS and reuses one
+// buffer, as the rows it is compared with do.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "kvpool/transport/transport.h"
+#include "nlohmann/json.hpp"
+
+namespace kvpool::transport {
+namespace {
+
+constexpr uint64_t kBig = 64 << 10;   // big arena page
+constexpr uint64_t kSmall = 4 << 10;  // small arena page
+constexpr uint64_t kSmallArena = 32 << 20;
+
+std::string Hex(absl::string_view s) { return absl::BytesToHexString(s); }
+
+// ---- owner side --------------------------------------------------------------------
+int Serve(uint64_t arena_mib) {
+  auto ctx = Context::Create();
+  if (!ctx.ok()) { std::cerr << ctx.status() << "\n"; return 2; }
+  auto w = Worker::Create(*ctx);
+  if (!w.ok()) { std::cerr << w.status() << "\n"; return 2; }
+  auto big = (*w)->AllocateArena(arena_mib << 20, kBig);
+  auto small = (*w)->AllocateArena(kSmallArena, kSmall);
+  if (!big.ok() || !small.ok()) { std::cerr << "arena allocation failed\n"; return 2; }
+  std::memset((*big)->base(), 1, (*big)->size());  // fault in: DRAM-resident, not zero pages
+  std::memset((*small)->base(), 2, (*small)->size());
+  std::cout << "ADDR " << Hex((*w)->address()) << "\nBIG " << Hex((*big)->descriptor().Serialize())
+            << "\nSMALL " << Hex((*small)->descriptor().Serialize()) << std::endl;
+  std::string line;
+  while (std::getline(std::cin, line) && line != "quit") {
+  }
+  return 0;
+}
+
+// ---- helpers -----------------------------------------------------------------------
+struct Proc {
+  pid_t pid = -1;
+  FILE* out = nullptr;
+  FILE* in = nullptr;
+};
+
+Proc Spawn(const std::vector<std::string>& argv) {
+  int to[2], from[2];
+  Proc p;
+  if (pipe(to) != 0 || pipe(from) != 0) return p;
+  p.pid = fork();
+  if (p.pid == 0) {
+    dup2(to[0], 0);
+    dup2(from[1], 1);
+    close(to[1]);
+    close(from[0]);
+    std::vector<char*> a;
+    for (auto& s : argv) a.push_back(const_cast<char*>(s.c_str()));
+    a.push_back(nullptr);
+    execvp(a[0], a.data());
+    _exit(127);
+  }
+  close(to[0]);
+  close(from[1]);
+  p.in = fdopen(to[1], "w");
+  p.out = fdopen(from[0], "r");
+  return p;
+}
+
+std::string ReadLine(FILE* f) {
+  char buf[1 << 16];
+  while (fgets(buf, sizeof(buf), f) != nullptr) {
+    std::string s(buf);
+    if (!s.empty() && s.back() == '\n') s.pop_back();
+    if (s.find(" UCX ") != std::string::npos) continue;  // UCX logs to stdout
+    return s;
+  }
+  return "";
+}
+
+void Reap(Proc& p) {
+  if (p.in) fclose(p.in);
+  if (p.out) fclose(p.out);
+  if (p.pid > 0) {
+    int st;
+    waitpid(p.pid, &st, 0);
+  }
+  p = Proc();
+}
+
+// ucx_perftest between two processes with the current UCX_TLS; GB/s (1e9) or -1.
+double Perftest(const std::string& test, uint64_t size, int port) {
+  const uint64_t iters = std::max<uint64_t>(2000, std::min<uint64_t>(200000, (1ull << 30) / size));
+  Proc server = Spawn({"ucx_perftest", "-p", std::to_string(port)});
+  usleep(300 * 1000);
+  Proc client = Spawn({"ucx_perftest", "-p", std::to_string(port), "-t", test, "-s",
+                       std::to_string(size), "-n", std::to_string(iters), "-w",
+                       std::to_string(iters / 10), "localhost"});
+  double mib_s = -1;
+  char buf[4096];
+  while (fgets(buf, sizeof(buf), client.out) != nullptr) {
+    if (std::strncmp(buf, "Final:", 6) != 0) continue;
+    std::vector<std::string> f = absl::StrSplit(buf, ' ', absl::SkipWhitespace());
+    if (f.size() >= 7) (void)absl::SimpleAtod(f[6], &mib_s);  // overall bandwidth, MB/s
+  }
+  Reap(client);
+  kill(server.pid, SIGTERM);
+  Reap(server);
+  return mib_s < 0 ? -1 : mib_s * (1 << 20) / 1e9;  // perftest's MB is 2^20 bytes
+}
+
+// Keeps `window` batches in flight for `seconds`; GB/s.
+double Run(Worker& worker, Endpoint& ep, bool put, const std::function<std::vector<TransferOp>(uint64_t)>& make,
+           uint64_t bytes_per_batch, int window, double seconds) {
+  struct Window {
+    int inflight = 0;
+    int max = 0;
+    bool HasRoom() const { return inflight < max; }
+    bool Empty() const { return inflight == 0; }
+  };
+  absl::Mutex mu;
+  Window win{0, window};
+  absl::Status err;
+  auto phase = [&](absl::Duration d) -> std::pair<uint64_t, absl::Duration> {
+    uint64_t n = 0;
+    const absl::Time start = absl::Now(), end = start + d;
+    while (absl::Now() < end) {
+      {
+        // Poll like ucx_perftest does (one thread drives each side).
+        while (true) {
+          {
+            absl::MutexLock l(&mu);
+            if (win.HasRoom()) break;
+          }
+          worker.Progress();
+        }
+        absl::MutexLock l(&mu);
+        if (!err.ok()) break;
+        ++win.inflight;
+      }
+      auto done = [&](absl::Status s) {
+        absl::MutexLock l(&mu);
+        --win.inflight;
+        if (!s.ok() && err.ok()) err = s;
+      };
+      absl::Status s = put ? ep.PutAsync(make(n), done) : ep.GetAsync(make(n), done);
+      if (!s.ok()) {
+        absl::MutexLock l(&mu);
+        --win.inflight;
+        err = s;
+        break;
+      }
+      ++n;
+    }
+    while (true) {
+      {
+        absl::MutexLock l(&mu);
+        if (win.Empty()) break;
+      }
+      worker.Progress();
+    }
+    return {n, absl::Now() - start};
+  };
+  phase(absl::Seconds(seconds / 4));  // warm up
+  auto [n, t] = phase(absl::Seconds(seconds));
+  absl::MutexLock l(&mu);
+  if (!err.ok()) {
+    std::cerr << "transfer failed: " << err << "\n";
+    return -1;
+  }
+  return static_cast<double>(n) * bytes_per_batch / absl::ToDoubleSeconds(t) / 1e9;
+}
+
+struct Row {
+  std::string tls, name, dir;
+  uint64_t bytes_per_batch;
+  double gbps;
+  std::string baseline;  // what it is compared with
+  double baseline_gbps;
+  double target_ratio;   // 0: reported only
+  double target_gbps;    // absolute target, 0: none
+};
+
+}  // namespace
+
+int Main(int argc, char** argv) {
+  bool json = false;
+  WorkerOptions wopts;
+  std::string tls_list = "sm,cma,self;tcp";
+  uint64_t arena_mib = 1024;
+  double seconds = 0.4;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--json") json = true;
+    else if (a == "--tls" && i + 1 < argc) tls_list = argv[++i];
+    else if (a == "--protocol" && i + 1 < argc) {
+      const std::string p = argv[++i];
+      wopts.protocol = p == "rma" ? Protocol::kRma : p == "am" ? Protocol::kActiveMessage : Protocol::kAuto;
+    }
+    else if (a == "--arena-mib" && i + 1 < argc) (void)absl::SimpleAtoi(argv[++i], &arena_mib);
+    else if (a == "--seconds" && i + 1 < argc) (void)absl::SimpleAtod(argv[++i], &seconds);
+    else if (a == "--serve" && i + 1 < argc) {
+      uint64_t m = 0;
+      (void)absl::SimpleAtoi(argv[++i], &m);
+      return Serve(m);
+    } else {
+      std::cerr << "usage: transport_bench [--json] [--tls 'sm,cma,self;tcp'] [--arena-mib N]"
+                   " [--seconds S]\n";
+      return 64;
+    }
+  }
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n <= 0) return 2;
+  self[n] = 0;
+
+  std::vector<Row> rows;
+  int port = 14000 + getpid() % 1000;
+  for (absl::string_view tls_sv : absl::StrSplit(tls_list, ';', absl::SkipEmpty())) {
+    const std::string tls(tls_sv);
+    const bool shm = !absl::StrContains(tls, "tcp");
+    setenv("UCX_TLS", tls.c_str(), 1);
+    Proc owner = Spawn({self, "--serve", std::to_string(arena_mib)});
+    std::string addr = ReadLine(owner.out), big = ReadLine(owner.out), small = ReadLine(owner.out);
+    if (!absl::StartsWith(addr, "ADDR ") || !absl::StartsWith(big, "BIG ") ||
+        !absl::StartsWith(small, "SMALL ")) {
+      std::cerr << "owner failed to start for UCX_TLS=" << tls << "\n";
+      return 2;
+    }
+    auto rbig = RemoteArena::Parse(absl::HexStringToBytes(big.substr(4)));
+    auto rsmall = RemoteArena::Parse(absl::HexStringToBytes(small.substr(6)));
+    auto ctx = Context::Create();
+    auto w = Worker::Create(*ctx, wopts);
+    if (!rbig.ok() || !rsmall.ok() || !ctx.ok() || !w.ok()) {
+      std::cerr << "setup failed\n";
+      return 2;
+    }
+    auto lbig = (*w)->AllocateArena(arena_mib << 20, kBig);
+    auto lsmall = (*w)->AllocateArena(kSmallArena, kSmall);
+    if (!lbig.ok() || !lsmall.ok()) return 2;
+    std::memset((*lbig)->base(), 3, (*lbig)->size());
+    std::memset((*lsmall)->base(), 4, (*lsmall)->size());
+    auto ep = (*w)->Connect(absl::HexStringToBytes(addr.substr(5)), "owner");
+    if (!ep.ok()) { std::cerr << ep.status() << "\n"; return 2; }
+    (void)(*ep)->ImportArena(*rbig);
+    (void)(*ep)->ImportArena(*rsmall);
+    const uint32_t LB = (*lbig)->id(), LS = (*lsmall)->id(), RB = rbig->arena_id,
+                   RS = rsmall->arena_id;
+    const std::string proto(ProtocolName((*ep)->protocol()));
+
+    // Baselines first (same UCX_TLS, two processes).
+    auto pf = [&](bool put, uint64_t size) {
+      const std::string t = !shm ? "ucp_am_bw" : put ? "ucp_put_bw" : "ucp_get";
+      return std::make_pair(t, Perftest(t, size, port++));
+    };
+
+    std::mt19937_64 rng(7);
+    const uint64_t big_pages = (arena_mib << 20) / kBig;
+    std::vector<uint64_t> scattered16, scattered256;
+    for (uint64_t i = 0; i < 16; ++i) scattered16.push_back(i * 37 % 512);
+    for (uint64_t i = 0; i < 256; ++i) scattered256.push_back(i * 61 % (kSmallArena / kSmall));
+
+    for (bool put : {true, false}) {
+      const std::string dir = put ? "put" : "get";
+      struct Case {
+        std::string name;
+        uint64_t bytes;
+        int window;
+        uint64_t perf_size;
+        std::function<std::vector<TransferOp>(uint64_t)> make;
+        double target_ratio, target_gbps;
+      };
+      std::vector<uint64_t> seq16(16);
+      for (uint64_t i = 0; i < 16; ++i) seq16[i] = i;
+      std::vector<Case> cases = {
+          {"4KiB", kSmall, 32, kSmall,
+           [&](uint64_t) { return std::vector<TransferOp>{{{LS, {0}, 0}, {RS, {0}, 0}}}; }, 0, 0},
+          {"64KiB", kBig, 16, kBig,
+           [&](uint64_t) { return std::vector<TransferOp>{{{LB, {0}, 0}, {RB, {0}, 0}}}; }, 0, 0},
+          {"1MiB", 16 * kBig, 4, 16 * kBig,
+           [&](uint64_t) { return std::vector<TransferOp>{{{LB, seq16, 0}, {RB, seq16, 0}}}; },
+           0.9, 0},
+          {"16x64KiB", 16 * kBig, 4, kBig,
+           [&](uint64_t) {
+             return std::vector<TransferOp>{{{LB, scattered16, 0}, {RB, seq16, 0}}};
+           },
+           0.9, 0},
+          {"256x4KiB", 256 * kSmall, 2, kSmall,
+           [&](uint64_t) {
+             std::vector<TransferOp> ops;
+             ops.reserve(256);
+             for (uint64_t i = 0; i < 256; ++i) ops.push_back({{LS, {i}, 0}, {RS, {scattered256[i]}, 0}});
+             return ops;
+           },
+           0, shm ? 4.0 : 0},
+      };
+      for (const Case& c : cases) {
+        const double g = Run(**w, **ep, put, c.make, c.bytes, c.window, seconds);
+        auto [t, b] = pf(put, c.perf_size);
+        rows.push_back({tls, c.name, dir, c.bytes, g,
+                        absl::StrCat("ucx_perftest ", t, " -s ", c.perf_size), b, c.target_ratio,
+                        c.target_gbps});
+      }
+      // DRAM-resident page runs vs memcpy of the same pages, in this process.
+      std::vector<std::vector<uint64_t>> lruns(4096), rruns(4096);
+      for (size_t r = 0; r < lruns.size(); ++r) {
+        for (int i = 0; i < 16; ++i) {
+          lruns[r].push_back(rng() % big_pages);
+          rruns[r].push_back(rng() % big_pages);
+        }
+      }
+      const double g = Run(
+          **w, **ep, put,
+          [&](uint64_t i) {
+            return std::vector<TransferOp>{{{LB, lruns[i % lruns.size()], 0},
+                                            {RB, rruns[i % rruns.size()], 0}}};
+          },
+          16 * kBig, 4, seconds);
+      // memcpy baseline: the same page lists, local arena -> a second arena-sized buffer.
+      std::vector<std::byte> dst(arena_mib << 20);
+      std::memset(dst.data(), 5, dst.size());
+      uint64_t copied = 0, it = 0;
+      const absl::Time start = absl::Now(), end = start + absl::Seconds(seconds);
+      while (absl::Now() < end) {
+        const auto& l = lruns[it % lruns.size()];
+        const auto& r = rruns[it % rruns.size()];
+        for (int i = 0; i < 16; ++i) {
+          std::memcpy(dst.data() + r[i] * kBig, (*lbig)->base() + l[i] * kBig, kBig);
+        }
+        copied += 16 * kBig;
+        ++it;
+      }
+      const double mc = copied / absl::ToDoubleSeconds(absl::Now() - start) / 1e9;
+      rows.push_back({tls, "16x64KiB_dram", dir, 16 * kBig, g,
+                      absl::StrCat("memcpy of the same pages (", arena_mib, " MiB arenas)"), mc,
+                      shm ? 0.8 : 0, 0});
+    }
+    if (!json) std::cerr << "UCX_TLS=" << tls << ": endpoint protocol " << proto << "\n";
+    if (getenv("KVPOOL_BENCH_DEBUG")) std::cerr << (*ep)->Describe() << "\n";
+    ep->reset();
+    fprintf(owner.in, "quit\n");
+    fflush(owner.in);
+    Reap(owner);
+  }
+
+  nlohmann::json out = nlohmann::json::array();
+  for (const Row& r : rows) {
+    const double ratio = r.baseline_gbps > 0 ? r.gbps / r.baseline_gbps : 0;
+    nlohmann::json j = {{"ucx_tls", r.tls},      {"case", r.name},
+                        {"dir", r.dir},          {"bytes_per_batch", r.bytes_per_batch},
+                        {"gbps", r.gbps},        {"baseline", r.baseline},
+                        {"baseline_gbps", r.baseline_gbps}, {"ratio", ratio}};
+    if (r.target_ratio > 0) {
+      j["target_ratio"] = r.target_ratio;
+      j["meets_ratio"] = ratio >= r.target_ratio;
+    }
+    if (r.target_gbps > 0) {
+      j["target_gbps"] = r.target_gbps;
+      j["meets_gbps"] = r.gbps >= r.target_gbps;
+    }
+    out.push_back(j);
+  }
+  if (json) {
+    std::cout << nlohmann::json{{"bench", "transport_bench"}, {"unit", "GB/s (1e9 B/s)"},
+                                {"results", out}}
+                     .dump(2)
+              << std::endl;
+  } else {
+    std::cout << absl::StrFormat("%-13s %-14s %-4s %9s %9s %7s  %s\n", "UCX_TLS", "case", "dir",
+                                 "GB/s", "base", "ratio", "baseline");
+    for (const Row& r : rows) {
+      std::cout << absl::StrFormat("%-13s %-14s %-4s %9.2f %9.2f %7.2f  %s\n", r.tls, r.name,
+                                   r.dir, r.gbps, r.baseline_gbps,
+                                   r.baseline_gbps > 0 ? r.gbps / r.baseline_gbps : 0,
+                                   r.baseline);
+    }
+  }
+  return 0;
+}
+
+}  // namespace kvpool::transport
+
+int main(int argc, char** argv) { return kvpool::transport::Main(argc, argv); }

@@ -1,0 +1,269 @@
+// Active-message protocol (used where the lanes cannot do zero-copy RMA, e.g. tcp).
+//
+//   initiator                               owner (serves from its progress thread)
+//   kAmPut [hdr: batch, part, segs] + data  -> validate segs against its arenas;
+//                                              rendezvous: ucp_am_recv_data_nbx(iov of
+//                                              its pages); eager: memcpy
+//                                           <- kAmPutAck [batch, part, status]
+//   kAmGetReq [hdr: batch, part, segs]      -> validate; reply with its pages as iov
+//   recv in place (rndv) or memcpy (eager)  <- kAmGetResp [batch, part, status] + data
+//
+// The owner never trusts the header: every segment is checked against a live arena
+// before a byte moves. Callbacks never block: replies are non-blocking sends whose
+// state (header, iov, arena references) lives in an OwnerOp until UCX completes it.
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "internal.h"
+
+namespace kvpool::transport {
+namespace {
+
+void OwnerSendCb(void* request, ucs_status_t status, void* user_data);
+void OwnerRecvCb(void* request, ucs_status_t status, size_t length, void* user_data);
+
+}  // namespace
+
+struct OwnerOp {
+  WorkerImpl* worker = nullptr;
+  ucp_ep_h reply_ep = nullptr;
+  AmHeader header{};
+  std::vector<ucp_dt_iov_t> iov;
+  std::vector<std::shared_ptr<Arena>> hold;
+  bool refused = false;  // the reply carries a refusal
+};
+
+namespace {
+
+void OwnerSendCb(void* request, ucs_status_t status, void* user_data) {
+  auto* op = static_cast<OwnerOp*>(user_data);
+  WorkerImpl* w = op->worker;
+  const bool served = status == UCS_OK && !op->refused;
+  delete op;
+  ucp_request_free(request);
+  w->OwnerOpDone(served);
+}
+
+void OwnerRecvCb(void* request, ucs_status_t status, size_t /*length*/, void* user_data) {
+  ucp_request_free(request);
+  auto* op = static_cast<OwnerOp*>(user_data);
+  op->worker->OwnerPutReceived(op, status);
+}
+
+void InitiatorRecvCb(void* request, ucs_status_t status, size_t /*length*/, void* user_data) {
+  auto* b = static_cast<Batch*>(user_data);
+  ucp_request_free(request);
+  b->worker->OnOpDone(b, status);
+}
+
+void CopyIn(const std::vector<ucp_dt_iov_t>& iov, const void* data) {
+  auto* src = static_cast<const std::byte*>(data);
+  for (const auto& v : iov) {
+    std::memcpy(v.buffer, src, v.length);
+    src += v.length;
+  }
+}
+
+}  // namespace
+
+absl::Status WorkerImpl::ResolveOwnerSegments(const WireSeg* segs, uint32_t n, uint64_t total,
+                                              std::vector<ucp_dt_iov_t>* iov,
+                                              std::vector<std::shared_ptr<Arena>>* hold) {
+  uint64_t sum = 0;
+  iov->reserve(n);
+  for (uint32_t i = 0; i < n; ++i) {
+    WireSeg s;
+    std::memcpy(&s, &segs[i], sizeof(s));
+    std::shared_ptr<Arena> a;
+    for (auto& h : *hold) {
+      if (h->id() == s.arena_id) a = h;
+    }
+    if (!a) {
+      a = FindArena(s.arena_id);
+      if (!a) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("arena ", s.arena_id, " is not served by this worker"));
+      }
+      hold->push_back(a);
+    }
+    if (s.len == 0 || s.offset > a->size() || s.len > a->size() - s.offset) {
+      return absl::InvalidArgumentError(absl::StrCat("segment [", s.offset, ", +", s.len,
+                                                     ") is outside arena ", s.arena_id));
+    }
+    iov->push_back({a->base() + s.offset, s.len});
+    sum += s.len;
+  }
+  if (total != UINT64_MAX && sum != total) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("segments cover ", sum, " bytes but the payload has ", total));
+  }
+  return absl::OkStatus();
+}
+
+void WorkerImpl::SendOwnerReply(ucp_ep_h reply_ep, unsigned id, uint64_t batch_id,
+                                uint32_t part, absl::Status status,
+                                std::vector<ucp_dt_iov_t> iov,
+                                std::vector<std::shared_ptr<Arena>> hold) {
+  auto* op = new OwnerOp();
+  op->worker = this;
+  op->header.batch_id = batch_id;
+  op->header.part = part;
+  op->header.status = static_cast<uint32_t>(status.code());
+  op->refused = !status.ok();
+  op->iov = std::move(iov);
+  op->hold = std::move(hold);
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.send = &OwnerSendCb;
+  p.user_data = op;
+  if (!op->iov.empty()) {  // UCX asserts on an empty iov: header-only replies are contig
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+    p.datatype = ucp_dt_make_iov();
+  }
+  ++owner_inflight_;
+  ucs_status_ptr_t r = ucp_am_send_nbx(reply_ep, id, &op->header, sizeof(op->header),
+                                       op->iov.empty() ? nullptr : op->iov.data(),
+                                       op->iov.size(), &p);
+  if (r == nullptr || UCS_PTR_IS_ERR(r)) {
+    const bool served = r == nullptr && !op->refused;
+    delete op;
+    OwnerOpDone(served);
+  }
+}
+
+void WorkerImpl::OwnerOpDone(bool ok) {
+  --owner_inflight_;
+  absl::MutexLock l(&mu_);
+  ++(ok ? stats_.am_requests_served : stats_.am_requests_refused);
+}
+
+void WorkerImpl::OwnerPutReceived(OwnerOp* op, ucs_status_t status) {
+  std::unique_ptr<OwnerOp> owned(op);
+  if (status != UCS_OK) {
+    // The initiator is most likely gone: its endpoint fails the batch; do not reply.
+    OwnerOpDone(false);
+    return;
+  }
+  --owner_inflight_;  // the receive; the ack counts on its own
+  SendOwnerReply(op->reply_ep, kAmPutAck, op->header.batch_id, op->header.part,
+                 absl::OkStatus(), {}, {});
+}
+
+ucs_status_t WorkerImpl::OnAm(unsigned id, const void* header, size_t header_len, void* data,
+                              size_t len, const ucp_am_recv_param_t* param) {
+  const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+  AmHeader h{};
+  if (header_len < sizeof(AmHeader)) return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
+  std::memcpy(&h, header, sizeof(h));
+  if (id == kAmPutAck || id == kAmGetResp) return OnInitiatorReply(id, h, data, len, rndv);
+
+  // Owner side.
+  const bool has_reply = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0;
+  if (!has_reply) return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
+  ucp_ep_h reply_ep = param->reply_ep;
+  std::vector<ucp_dt_iov_t> iov;
+  std::vector<std::shared_ptr<Arena>> hold;
+  absl::Status st;
+  if (header_len != sizeof(AmHeader) + uint64_t{h.num_segs} * sizeof(WireSeg)) {
+    st = absl::InvalidArgumentError("malformed transfer header");
+  } else {
+    const auto* segs =
+        reinterpret_cast<const WireSeg*>(static_cast<const char*>(header) + sizeof(AmHeader));
+    st = ResolveOwnerSegments(segs, h.num_segs, id == kAmPut ? len : UINT64_MAX, &iov, &hold);
+  }
+  if (id == kAmGetReq) {
+    if (!st.ok()) iov.clear();
+    SendOwnerReply(reply_ep, kAmGetResp, h.batch_id, h.part, st, std::move(iov),
+                   std::move(hold));
+    return UCS_OK;
+  }
+  // kAmPut
+  if (!st.ok()) {
+    SendOwnerReply(reply_ep, kAmPutAck, h.batch_id, h.part, st, {}, {});
+    return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
+  }
+  if (!rndv) {
+    CopyIn(iov, data);
+    SendOwnerReply(reply_ep, kAmPutAck, h.batch_id, h.part, absl::OkStatus(), {}, {});
+    return UCS_OK;
+  }
+  auto* op = new OwnerOp();
+  op->worker = this;
+  op->reply_ep = reply_ep;
+  op->header = h;
+  op->iov = std::move(iov);
+  op->hold = std::move(hold);
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                   UCP_OP_ATTR_FIELD_DATATYPE;
+  p.cb.recv_am = &OwnerRecvCb;
+  p.user_data = op;
+  p.datatype = ucp_dt_make_iov();
+  ++owner_inflight_;
+  ucs_status_ptr_t r = ucp_am_recv_data_nbx(worker_, data, op->iov.data(), op->iov.size(), &p);
+  if (r == nullptr) {
+    OwnerPutReceived(op, UCS_OK);
+  } else if (UCS_PTR_IS_ERR(r)) {
+    OwnerPutReceived(op, UCS_PTR_STATUS(r));
+  }
+  return UCS_INPROGRESS;
+}
+
+ucs_status_t WorkerImpl::OnInitiatorReply(unsigned id, const AmHeader& h, void* data,
+                                          size_t len, bool rndv) {
+  auto it = batches_.find(h.batch_id);
+  // A reply for a batch that already failed (timeout, peer error): drop it.
+  if (it == batches_.end() || it->second->finished) return UCS_OK;
+  Batch& b = *it->second;
+  if (h.status != 0) {
+    --b.outstanding;
+    Finish(b, absl::Status(static_cast<absl::StatusCode>(h.status),
+                           absl::StrCat("peer refused the transfer (message ", h.part,
+                                        "): check the page descriptors")));
+    MaybeFree(b.id);
+    return UCS_OK;
+  }
+  if (id == kAmPutAck) {
+    OnOpDone(&b, UCS_OK);
+    return UCS_OK;
+  }
+  // kAmGetResp: land the payload in the local pages of this part.
+  if (h.part >= b.iovs.size()) {
+    --b.outstanding;
+    Finish(b, absl::InternalError("get response for an unknown message"));
+    MaybeFree(b.id);
+    return UCS_OK;
+  }
+  const auto& iov = b.iovs[h.part];
+  uint64_t want = 0;
+  for (const auto& v : iov) want += v.length;
+  if (want != len) {
+    --b.outstanding;
+    Finish(b, absl::DataLossError(
+                  absl::StrCat("get response has ", len, " bytes, expected ", want)));
+    MaybeFree(b.id);
+    return UCS_OK;
+  }
+  if (!rndv) {
+    CopyIn(iov, data);
+    OnOpDone(&b, UCS_OK);
+    return UCS_OK;
+  }
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                   UCP_OP_ATTR_FIELD_DATATYPE;
+  p.cb.recv_am = &InitiatorRecvCb;
+  p.user_data = &b;
+  p.datatype = ucp_dt_make_iov();
+  ucs_status_ptr_t r = ucp_am_recv_data_nbx(worker_, data, const_cast<ucp_dt_iov_t*>(iov.data()),
+                                            iov.size(), &p);
+  if (r == nullptr) {
+    OnOpDone(&b, UCS_OK);
+  } else if (UCS_PTR_IS_ERR(r)) {
+    OnOpDone(&b, UCS_PTR_STATUS(r));
+  }
+  // else: InitiatorRecvCb completes this part.
+  return UCS_INPROGRESS;
+}
+
+}  // namespace kvpool::transport

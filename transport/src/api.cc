@@ -1,0 +1,231 @@
+// Public classes (Worker, Endpoint) and batch validation: every descriptor is checked
+// on the caller's thread, before anything reaches UCX.
+#include <sys/mman.h>
+
+#include <future>
+
+#include "absl/strings/str_cat.h"
+#include "internal.h"
+
+namespace kvpool::transport {
+namespace {
+
+struct Extent {
+  uint64_t offset;
+  uint64_t len;
+};
+
+// (offset, len) of each page of `run` in an arena of num_pages pages of page_bytes.
+absl::Status RunExtents(uint64_t page_bytes, uint64_t num_pages, const PageRun& run,
+                        absl::string_view side, size_t op, std::vector<Extent>* out,
+                        uint64_t* total) {
+  const uint64_t full = run.pages.size() * page_bytes;
+  const uint64_t bytes = run.bytes == 0 ? full : run.bytes;
+  if (run.pages.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("ops[", op, "].", side, ": no pages"));
+  }
+  if (bytes > full || full - bytes >= page_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ops[", op, "].", side, ": bytes=", run.bytes, " does not fit ", run.pages.size(),
+        " pages of ", page_bytes, " (the last page must hold at least one byte)"));
+  }
+  out->clear();
+  uint64_t left = bytes;
+  for (uint64_t p : run.pages) {
+    if (p >= num_pages) {
+      return absl::InvalidArgumentError(absl::StrCat("ops[", op, "].", side, ": page ", p,
+                                                     " out of range; arena ", run.arena_id,
+                                                     " has ", num_pages, " pages"));
+    }
+    const uint64_t n = std::min(left, page_bytes);
+    out->push_back({p * page_bytes, n});
+    left -= n;
+  }
+  *total = bytes;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status WorkerImpl::Submit(const std::shared_ptr<EndpointImpl>& ep, Direction dir,
+                                std::vector<TransferOp> ops, BatchCallback done) {
+  RETURN_IF_ERROR(ep->health());
+  auto b = std::make_unique<Batch>();
+  b->dir = dir;
+  b->ep = ep;
+  b->done = std::move(done);
+  b->deadline = absl::Now() + options_.batch_timeout;
+  std::vector<Extent> lx, rx;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const TransferOp& op = ops[i];
+    std::shared_ptr<Arena> local;
+    for (auto& h : b->hold) {
+      if (h->id() == op.local.arena_id) local = h;
+    }
+    if (!local) {
+      local = FindArena(op.local.arena_id);
+      if (!local) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("ops[", i, "].local: arena ", op.local.arena_id,
+                         " is not registered on this worker; use Worker::RegisterArena"));
+      }
+      b->hold.push_back(local);
+    }
+    uint64_t lbytes = 0, rbytes = 0;
+    RETURN_IF_ERROR(RunExtents(local->page_bytes(), local->num_pages(), op.local, "local", i,
+                               &lx, &lbytes));
+    {
+      absl::MutexLock l(&ep->mu_);
+      auto it = ep->imported_.find(op.remote.arena_id);
+      if (it == ep->imported_.end()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("ops[", i, "].remote: arena ", op.remote.arena_id,
+                         " was not imported on this endpoint; call Endpoint::ImportArena"));
+      }
+      RETURN_IF_ERROR(RunExtents(it->second.desc.page_bytes, it->second.desc.num_pages(),
+                                 op.remote, "remote", i, &rx, &rbytes));
+    }
+    if (lbytes != rbytes) {
+      return absl::InvalidArgumentError(absl::StrCat("ops[", i, "]: local run has ", lbytes,
+                                                     " bytes but remote run has ", rbytes,
+                                                     "; both sides must match"));
+    }
+    // Walk both sides, cutting at either side's page boundary; merge contiguous pieces.
+    size_t li = 0, ri = 0;
+    uint64_t lo = 0, ro = 0;  // consumed within the current extents
+    while (li < lx.size() && ri < rx.size()) {
+      const uint64_t n = std::min(lx[li].len - lo, rx[ri].len - ro);
+      std::byte* lp = local->base() + lx[li].offset + lo;
+      const uint64_t roff = rx[ri].offset + ro;
+      Segment* prev = b->segs.empty() ? nullptr : &b->segs.back();
+      if (prev != nullptr && prev->local + prev->len == lp &&
+          prev->remote_arena == op.remote.arena_id && prev->remote_offset + prev->len == roff &&
+          prev->memh == local->memh_) {
+        prev->len += n;
+      } else {
+        b->segs.push_back({lp, local->memh_, op.remote.arena_id, roff, n});
+      }
+      b->bytes += n;
+      lo += n;
+      ro += n;
+      if (lo == lx[li].len) ++li, lo = 0;
+      if (ro == rx[ri].len) ++ri, ro = 0;
+    }
+  }
+  {
+    absl::MutexLock l(&ucx_mu_);
+    if (closed_) return absl::UnavailableError("transport worker is shut down");
+    const uint64_t id = next_batch_;
+    StartBatch(std::move(b));
+    // The progress thread may be asleep in epoll: wake it for what is left.
+    if (batches_.contains(id)) ucp_worker_signal(worker_);
+  }
+  RunCallbacks();
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------------------
+// Worker
+
+Worker::Worker(std::shared_ptr<WorkerImpl> impl) : impl_(std::move(impl)) {}
+Worker::~Worker() { impl_->Shutdown(); }
+
+absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(std::shared_ptr<Context> context,
+                                                       WorkerOptions options) {
+  if (context == nullptr) return absl::InvalidArgumentError("context is null");
+  auto impl = std::make_shared<WorkerImpl>(std::move(context), options);
+  RETURN_IF_ERROR(impl->Start());
+  return std::unique_ptr<Worker>(new Worker(std::move(impl)));
+}
+
+const std::string& Worker::address() const { return impl_->address_; }
+const WorkerOptions& Worker::options() const { return impl_->options_; }
+
+WorkerStats Worker::stats() const {
+  absl::MutexLock l(&impl_->mu_);
+  return impl_->stats_;
+}
+
+absl::StatusOr<std::shared_ptr<Arena>> Worker::RegisterArena(std::span<std::byte> memory,
+                                                             uint64_t page_bytes) {
+  return impl_->Register(memory.data(), memory.size(), page_bytes, /*owns=*/false);
+}
+
+absl::StatusOr<std::shared_ptr<Arena>> Worker::AllocateArena(uint64_t size,
+                                                             uint64_t page_bytes) {
+  if (size == 0) return absl::InvalidArgumentError("arena size is 0");
+  return impl_->Register(nullptr, size, page_bytes, /*owns=*/true);
+}
+
+void Worker::ForgetArena(uint32_t arena_id) { impl_->Forget(arena_id); }
+
+bool Worker::Progress() { return impl_->ProgressFromCaller(); }
+
+absl::StatusOr<std::shared_ptr<Endpoint>> Worker::Connect(absl::string_view peer_address,
+                                                          absl::string_view name) {
+  ASSIGN_OR_RETURN(auto ep, impl_->Connect(peer_address, name));
+  return std::shared_ptr<Endpoint>(new Endpoint(std::move(ep)));
+}
+
+// ---------------------------------------------------------------------------------------
+// Endpoint
+
+Endpoint::Endpoint(std::shared_ptr<EndpointImpl> impl) : impl_(std::move(impl)) {}
+
+Endpoint::~Endpoint() {
+  if (auto w = impl_->worker_.lock()) w->CloseEndpoint(impl_);
+}
+
+absl::Status Endpoint::ImportArena(const RemoteArena& remote) {
+  if (remote.page_bytes == 0 || remote.size == 0 || remote.size % remote.page_bytes != 0 ||
+      remote.rkey.empty()) {
+    return absl::InvalidArgumentError(
+        "remote arena descriptor is incomplete; pass RemoteArena::Parse() of the owner's bytes");
+  }
+  absl::MutexLock l(&impl_->mu_);
+  auto& slot = impl_->imported_[remote.arena_id];
+  if (slot.rkey != nullptr) impl_->stale_rkeys_.push_back(slot.rkey);
+  slot.rkey = nullptr;  // unpacked on the progress thread at first use
+  slot.desc = remote;
+  return absl::OkStatus();
+}
+
+namespace {
+absl::Status SubmitVia(const std::shared_ptr<EndpointImpl>& ep, Direction dir,
+                       std::vector<TransferOp> ops, BatchCallback done) {
+  auto w = ep->worker_.lock();
+  if (!w) return absl::UnavailableError("transport worker is gone");
+  return w->Submit(ep, dir, std::move(ops), std::move(done));
+}
+
+std::future<absl::Status> AsFuture(const std::shared_ptr<EndpointImpl>& ep, Direction dir,
+                                   std::vector<TransferOp> ops) {
+  auto p = std::make_shared<std::promise<absl::Status>>();
+  auto f = p->get_future();
+  absl::Status s = SubmitVia(ep, dir, std::move(ops), [p](absl::Status st) {
+    p->set_value(std::move(st));
+  });
+  if (!s.ok()) p->set_value(std::move(s));
+  return f;
+}
+}  // namespace
+
+absl::Status Endpoint::PutAsync(std::vector<TransferOp> ops, BatchCallback done) {
+  return SubmitVia(impl_, Direction::kPut, std::move(ops), std::move(done));
+}
+absl::Status Endpoint::GetAsync(std::vector<TransferOp> ops, BatchCallback done) {
+  return SubmitVia(impl_, Direction::kGet, std::move(ops), std::move(done));
+}
+std::future<absl::Status> Endpoint::Put(std::vector<TransferOp> ops) {
+  return AsFuture(impl_, Direction::kPut, std::move(ops));
+}
+std::future<absl::Status> Endpoint::Get(std::vector<TransferOp> ops) {
+  return AsFuture(impl_, Direction::kGet, std::move(ops));
+}
+
+Protocol Endpoint::protocol() const { return impl_->protocol_; }
+bool Endpoint::peer_failure_detection() const { return impl_->peer_failure_detection_; }
+absl::Status Endpoint::health() const { return impl_->health(); }
+std::string Endpoint::Describe() const { return impl_->describe_; }
+
+}  // namespace kvpool::transport

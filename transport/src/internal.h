@@ -1,0 +1,234 @@
+// Private to transport/: the worker's progress thread, endpoints and batches.
+//
+// Threading model: the ucp_worker_h (UCS_THREAD_MODE_SERIALIZED) and every ucp_ep_h /
+// ucp_rkey_h made on it are used only under WorkerImpl::ucx_mu_. A submitting thread
+// validates its batch without the lock, then takes it to start the batch itself (no
+// hand-off to another thread: on CMA the bytes move inside the call); the progress
+// thread takes it around each ucp_worker_progress round and sleeps in epoll without it.
+// UCX callbacks run under the lock and never block; user callbacks are queued and run
+// after the lock is released (so they may submit again).
+#pragma once
+
+#include <ucp/api/ucp.h>
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kvpool/common/status.h"
+#include "kvpool/transport/transport.h"
+
+namespace kvpool::transport {
+
+// Worker address bytes: our framing around the UCX address (see worker.cc).
+std::string WrapAddress(absl::string_view ucx);
+void UnwrapAddress(absl::string_view in, std::string* ucx, pid_t* same_host_pid);
+
+// ucs_status_t -> absl::Status, once, where UCX hands it to us.
+absl::Status FromUcs(ucs_status_t status, absl::string_view what);
+
+// Active-message ids (the owner serves 1 and 3; the initiator handles 2 and 4).
+enum AmId : unsigned {
+  kAmPut = 1,      // header: AmHeader + segments; payload: the bytes
+  kAmPutAck = 2,   // header: AmHeader (status)
+  kAmGetReq = 3,   // header: AmHeader + segments
+  kAmGetResp = 4,  // header: AmHeader (status); payload: the bytes
+};
+
+struct AmHeader {
+  uint64_t batch_id;
+  uint32_t part;     // message index within the batch (a batch may need several)
+  uint32_t status;   // absl::StatusCode for acks/responses
+  uint32_t num_segs; // followed by num_segs WireSeg
+  uint32_t pad;
+};
+struct WireSeg {
+  uint32_t arena_id;
+  uint32_t pad;
+  uint64_t offset;  // byte offset in the owner's arena
+  uint64_t len;
+};
+
+// One contiguous piece of a transfer: local bytes <-> remote bytes.
+struct Segment {
+  std::byte* local;
+  void* memh;  // ucp_mem_h of the local arena
+  uint32_t remote_arena;
+  uint64_t remote_offset;
+  uint64_t len;
+};
+
+enum class Direction : uint8_t { kPut, kGet };
+
+class EndpointImpl;
+class WorkerImpl;
+struct OwnerOp;
+
+// A batch in flight. Owned by WorkerImpl::batches_; touched only on the progress thread.
+struct Batch {
+  WorkerImpl* worker = nullptr;
+  uint64_t id = 0;
+  Direction dir = Direction::kPut;
+  std::shared_ptr<EndpointImpl> ep;
+  BatchCallback done;
+  std::vector<std::shared_ptr<Arena>> hold;  // local arenas stay registered meanwhile
+  std::vector<Segment> segs;
+  uint64_t bytes = 0;
+  absl::Time deadline;
+  // Operations (UCX requests + expected AM replies) not yet completed. The batch is
+  // freed when it is finished and nothing is outstanding.
+  int outstanding = 0;
+  bool finished = false;
+  absl::Status status;  // first error
+  // AM: per-message local iovs and headers (alive until the message completes).
+  std::vector<std::vector<ucp_dt_iov_t>> iovs;
+  std::vector<std::string> headers;
+};
+
+struct ImportedArena {
+  RemoteArena desc;
+  ucp_rkey_h rkey = nullptr;  // progress thread only (unpacked lazily there)
+};
+
+class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
+ public:
+  EndpointImpl(std::weak_ptr<WorkerImpl> worker, std::string name)
+      : worker_(std::move(worker)), name_(std::move(name)) {}
+
+  std::weak_ptr<WorkerImpl> worker_;
+  std::string name_;
+  Protocol protocol_ = Protocol::kAuto;
+  std::string describe_;
+  bool peer_failure_detection_ = true;  // UCP_ERR_HANDLING_MODE_PEER in effect
+  pid_t peer_pid_ = 0;                   // same-host peer process, 0 when unknown
+  // True when UCX cannot watch the peer and its (same-host) process has exited.
+  bool PeerProcessGone() const;
+
+  // Progress thread only.
+  ucp_ep_h ep_ = nullptr;
+  bool closing_ = false;
+
+  absl::Status health() const {
+    absl::MutexLock l(&mu_);
+    return health_;
+  }
+  void SetHealth(absl::Status s) {
+    absl::MutexLock l(&mu_);
+    if (health_.ok()) health_ = std::move(s);
+  }
+
+  mutable absl::Mutex mu_;
+  absl::Status health_ ABSL_GUARDED_BY(mu_);
+  // Descriptors for validation (any thread) and rkeys (progress thread, under mu_).
+  absl::flat_hash_map<uint32_t, ImportedArena> imported_ ABSL_GUARDED_BY(mu_);
+  // Rkeys replaced by a re-import, destroyed on the progress thread.
+  std::vector<ucp_rkey_h> stale_rkeys_ ABSL_GUARDED_BY(mu_);
+};
+
+class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
+ public:
+  WorkerImpl(std::shared_ptr<Context> context, WorkerOptions options)
+      : context_(std::move(context)), options_(options) {}
+  ~WorkerImpl();
+
+  absl::Status Start();  // creates the ucp worker + thread
+  void Shutdown();       // idempotent; joins the thread
+
+  // Runs fn on the progress thread (returns false when shut down).
+  bool Post(std::function<void()> fn);
+  // Runs fn on the progress thread and waits for it.
+  absl::Status RunSync(std::function<absl::Status()> fn);
+
+  absl::StatusOr<std::shared_ptr<Arena>> Register(std::byte* base, uint64_t size,
+                                                  uint64_t page_bytes, bool owns);
+  void Forget(uint32_t id);
+  absl::StatusOr<std::shared_ptr<EndpointImpl>> Connect(absl::string_view address,
+                                                    absl::string_view name);
+  absl::Status Submit(const std::shared_ptr<EndpointImpl>& ep, Direction dir,
+                      std::vector<TransferOp> ops, BatchCallback done);
+  void CloseEndpoint(std::shared_ptr<EndpointImpl> ep);
+
+  // Progress-thread callbacks from UCX.
+  void OnOpDone(Batch* b, ucs_status_t status);
+  void OwnerOpDone(bool ok);
+  void OwnerPutReceived(OwnerOp* op, ucs_status_t status);
+  std::shared_ptr<Arena> FindArena(uint32_t id);
+  void OnEpError(EndpointImpl* ep, ucs_status_t status);
+  ucs_status_t OnAm(unsigned id, const void* header, size_t header_len, void* data,
+                    size_t len, const ucp_am_recv_param_t* param);
+
+  std::shared_ptr<Context> context_;
+  WorkerOptions options_;
+  std::string address_;
+  ucp_worker_h worker_ = nullptr;  // calls on it hold ucx_mu_
+
+  // Serializes every UCX call on worker_, its endpoints and rkeys, and guards the batch
+  // state below. Held briefly: by the progress thread around one progress round, by a
+  // submitter around starting its batch. Never held while a user callback runs.
+  absl::Mutex ucx_mu_;
+  bool closed_ ABSL_GUARDED_BY(ucx_mu_) = false;
+  // Finished batches' callbacks, run by RunCallbacks after ucx_mu_ is released.
+  std::vector<std::pair<BatchCallback, absl::Status>> ready_ ABSL_GUARDED_BY(ucx_mu_);
+  void RunCallbacks();
+  bool ProgressFromCaller();
+  // When a caller last drove progress (Worker::Progress); relaxed: a hint for the
+  // progress thread to back off, nothing is published through it.
+  std::atomic<int64_t> external_progress_ns_{0};
+
+  mutable absl::Mutex mu_;
+  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+  absl::flat_hash_map<uint32_t, std::weak_ptr<Arena>> arenas_ ABSL_GUARDED_BY(mu_);
+  WorkerStats stats_ ABSL_GUARDED_BY(mu_);
+
+ private:
+  void Loop();
+  void RunQueue();
+  friend class EndpointImpl;
+  void StartBatch(std::unique_ptr<Batch> b);
+  void Track(Batch& b, ucs_status_ptr_t r, absl::string_view what);
+  void StartRma(Batch& b);
+  void StartAm(Batch& b);
+  void Finish(Batch& b, absl::Status s);
+  void MaybeFree(uint64_t id);
+  void FailEndpointBatches(EndpointImpl* ep, const absl::Status& s);
+  void CheckDeadlines();
+  void ReapClosedEndpoints();
+  ucp_rkey_h RkeyFor(EndpointImpl& ep, uint32_t arena_id, uint64_t* base);
+  absl::Status ResolveOwnerSegments(const WireSeg* segs, uint32_t n, uint64_t total,
+                                    std::vector<ucp_dt_iov_t>* iov,
+                                    std::vector<std::shared_ptr<Arena>>* hold);
+  void SendOwnerReply(ucp_ep_h reply_ep, unsigned id, uint64_t batch_id, uint32_t part,
+                      absl::Status status, std::vector<ucp_dt_iov_t> iov,
+                      std::vector<std::shared_ptr<Arena>> hold);
+  ucs_status_t OnInitiatorReply(unsigned id, const AmHeader& h, void* data, size_t len,
+                                bool rndv);
+
+  std::thread thread_;
+  int epfd_ = -1;
+  int efd_ = -1;
+  std::atomic<bool> stop_{false};  // relaxed: polled by the loop, set once
+  uint64_t next_batch_ = 1;        // progress thread only
+  // Progress thread only.
+  absl::flat_hash_map<uint64_t, std::unique_ptr<Batch>> batches_;
+  std::vector<std::shared_ptr<EndpointImpl>> endpoints_;
+  std::vector<void*> closing_reqs_;
+  std::vector<std::shared_ptr<EndpointImpl>> to_close_;
+  int owner_inflight_ = 0;  // owner-side AM receives/sends not yet complete
+  uint32_t next_arena_id_ ABSL_GUARDED_BY(mu_) = 1;
+  absl::Time last_deadline_check_ = absl::InfinitePast();
+};
+
+}  // namespace kvpool::transport

@@ -1,0 +1,717 @@
+// WorkerImpl: the progress thread, arenas, endpoints and the batch state machine.
+//
+// Batch pipeline (initiator):
+//   Submit (caller thread): validate ops -> address segments (coalesced), then, holding
+//   ucx_mu_, StartBatch on the caller's thread (no hand-off: on CMA a batch completes
+//   inside the call); work left in flight is progressed by the progress thread.
+//   StartBatch:
+//     RMA:  ucp_put_nbx / ucp_get_nbx per segment (+ ucp_ep_flush_nbx for put, so OK
+//           means the bytes are visible remotely)
+//     AM:   per message of <= kMaxSegsPerMsg segments, put: kAmPut(header=remote segs,
+//           payload=iov of local segs) then wait for kAmPutAck; get: kAmGetReq then
+//           receive kAmGetResp's payload in place (rendezvous: ucp_am_recv_data_nbx).
+//   Every UCX request and every awaited reply counts in Batch::outstanding; the batch
+//   finishes at the first error or when outstanding drops to 0, and is freed when it
+//   is finished and nothing is outstanding (late callbacks still find it).
+#include <sys/epoll.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <future>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "internal.h"
+
+namespace kvpool::transport {
+namespace {
+
+constexpr uint32_t kMaxSegsPerMsg = 64;
+
+void SendCb(void* request, ucs_status_t status, void* user_data) {
+  auto* b = static_cast<Batch*>(user_data);
+  b->worker->OnOpDone(b, status);
+  ucp_request_free(request);
+}
+
+void EpErrCb(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
+  auto* ep = static_cast<EndpointImpl*>(arg);
+  if (auto w = ep->worker_.lock()) w->OnEpError(ep, status);
+}
+
+template <unsigned kId>
+ucs_status_t AmCb(void* arg, const void* header, size_t header_len, void* data, size_t len,
+                  const ucp_am_recv_param_t* param) {
+  return static_cast<WorkerImpl*>(arg)->OnAm(kId, header, header_len, data, len, param);
+}
+
+std::string PrintToString(const std::function<void(FILE*)>& fn) {
+  char* buf = nullptr;
+  size_t len = 0;
+  FILE* f = open_memstream(&buf, &len);
+  if (f == nullptr) return "";
+  fn(f);
+  std::fclose(f);
+  std::string out(buf, len);
+  std::free(buf);
+  return out;
+}
+
+// Transports that give UCX zero-copy one-sided RMA on host memory.
+bool LanesDoRma(absl::string_view ep_info) {
+  for (absl::string_view line : absl::StrSplit(ep_info, '\n')) {
+    if (!absl::StrContains(line, "rma_bw") && !absl::StrContains(line, "rma")) continue;
+    for (absl::string_view tl : {"cma/", "knem/", "xpmem/", "rc_mlx5/", "rc_verbs/",
+                                 "dc_mlx5/", "ud_"}) {
+      if (absl::StrContains(line, tl)) return true;
+    }
+  }
+  return false;
+}
+
+// This host and PID namespace, so a peer's pid means something here.
+std::string HostKey() {
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  struct stat st {};
+  stat("/proc/self/ns/pid", &st);
+  return absl::StrCat(host, "/", st.st_ino);
+}
+
+constexpr absl::string_view kAddrMagic = "KVW1";
+
+}  // namespace
+
+// Worker address: "KVW1" | u32 pid | u16 len | host key | UCX worker address. The pid
+// lets a same-host peer notice that this process is gone where UCX cannot (shared
+// memory has no peer-failure support in UCX 1.13).
+std::string WrapAddress(absl::string_view ucx) {
+  const std::string key = HostKey();
+  std::string out(kAddrMagic);
+  const uint32_t pid = static_cast<uint32_t>(getpid());
+  const uint16_t len = static_cast<uint16_t>(key.size());
+  out.append(reinterpret_cast<const char*>(&pid), 4);
+  out.append(reinterpret_cast<const char*>(&len), 2);
+  out += key;
+  out.append(ucx.data(), ucx.size());
+  return out;
+}
+
+void UnwrapAddress(absl::string_view in, std::string* ucx, pid_t* same_host_pid) {
+  *same_host_pid = 0;
+  if (in.size() < 10 || in.substr(0, 4) != kAddrMagic) {
+    *ucx = std::string(in);  // a bare UCX address
+    return;
+  }
+  uint32_t pid;
+  uint16_t len;
+  std::memcpy(&pid, in.data() + 4, 4);
+  std::memcpy(&len, in.data() + 8, 2);
+  if (in.size() < 10u + len) {
+    *ucx = std::string(in);
+    return;
+  }
+  if (in.substr(10, len) == HostKey() && static_cast<pid_t>(pid) != getpid()) {
+    *same_host_pid = static_cast<pid_t>(pid);
+  }
+  *ucx = std::string(in.substr(10 + len));
+}
+
+bool EndpointImpl::PeerProcessGone() const {
+  return peer_pid_ > 0 && !peer_failure_detection_ && kill(peer_pid_, 0) != 0 &&
+         errno == ESRCH;
+}
+
+// ---------------------------------------------------------------------------------------
+WorkerImpl::~WorkerImpl() { Shutdown(); }
+
+absl::Status WorkerImpl::Start() {
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // every call holds ucx_mu_
+  auto ctx = static_cast<ucp_context_h>(context_->raw());
+  RETURN_IF_ERROR(FromUcs(ucp_worker_create(ctx, &wp, &worker_), "ucp_worker_create"));
+
+  ucp_address_t* addr = nullptr;
+  size_t addr_len = 0;
+  RETURN_IF_ERROR(FromUcs(ucp_worker_get_address(worker_, &addr, &addr_len),
+                          "ucp_worker_get_address"));
+  address_ = WrapAddress(absl::string_view(reinterpret_cast<const char*>(addr), addr_len));
+  ucp_worker_release_address(worker_, addr);
+
+  const std::pair<unsigned, ucp_am_recv_callback_t> handlers[] = {
+      {kAmPut, &AmCb<kAmPut>},
+      {kAmPutAck, &AmCb<kAmPutAck>},
+      {kAmGetReq, &AmCb<kAmGetReq>},
+      {kAmGetResp, &AmCb<kAmGetResp>}};
+  for (const auto& [id, cb] : handlers) {
+    ucp_am_handler_param_t hp{};
+    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                    UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+    hp.id = id;
+    hp.cb = cb;
+    hp.arg = this;
+    hp.flags = UCP_AM_FLAG_WHOLE_MSG;
+    RETURN_IF_ERROR(FromUcs(ucp_worker_set_am_recv_handler(worker_, &hp),
+                            "ucp_worker_set_am_recv_handler"));
+  }
+
+  RETURN_IF_ERROR(FromUcs(ucp_worker_get_efd(worker_, &efd_), "ucp_worker_get_efd"));
+  epfd_ = epoll_create1(EPOLL_CLOEXEC);
+  if (epfd_ < 0) return absl::InternalError(absl::StrCat("epoll_create1: errno ", errno));
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.fd = efd_;
+  if (epoll_ctl(epfd_, EPOLL_CTL_ADD, efd_, &ev) != 0) {
+    return absl::InternalError(absl::StrCat("epoll_ctl: errno ", errno));
+  }
+  thread_ = std::thread([this] { Loop(); });
+  return absl::OkStatus();
+}
+
+void WorkerImpl::Shutdown() {
+  {
+    absl::MutexLock l(&mu_);
+    stopped_ = true;
+  }
+  stop_.store(true, std::memory_order_relaxed);
+  if (thread_.joinable()) {
+    ucp_worker_signal(worker_);
+    thread_.join();
+  }
+  absl::MutexLock l(&ucx_mu_);
+  closed_ = true;
+  if (worker_ != nullptr) {
+    ucp_worker_destroy(worker_);
+    worker_ = nullptr;
+  }
+  if (epfd_ >= 0) close(epfd_);
+  epfd_ = -1;
+}
+
+bool WorkerImpl::Post(std::function<void()> fn) {
+  {
+    absl::MutexLock l(&mu_);
+    if (stopped_) return false;
+    queue_.push_back(std::move(fn));
+  }
+  ucp_worker_signal(worker_);
+  return true;
+}
+
+bool WorkerImpl::ProgressFromCaller() {
+  bool progressed = false;
+  {
+    absl::MutexLock l(&ucx_mu_);
+    if (closed_) return false;
+    while (ucp_worker_progress(worker_) != 0) progressed = true;
+    ReapClosedEndpoints();
+    if (!batches_.empty()) CheckDeadlines();
+  }
+  external_progress_ns_.store(absl::ToUnixNanos(absl::Now()), std::memory_order_relaxed);
+  RunCallbacks();
+  return progressed;
+}
+
+absl::Status WorkerImpl::RunSync(std::function<absl::Status()> fn) {
+  absl::Status s;
+  {
+    absl::MutexLock l(&ucx_mu_);
+    if (closed_) return absl::UnavailableError("transport worker is shut down");
+    s = fn();
+  }
+  RunCallbacks();
+  return s;
+}
+
+void WorkerImpl::RunCallbacks() {
+  std::vector<std::pair<BatchCallback, absl::Status>> ready;
+  {
+    absl::MutexLock l(&ucx_mu_);
+    ready.swap(ready_);
+  }
+  for (auto& [done, status] : ready) done(std::move(status));
+}
+
+void WorkerImpl::RunQueue() {
+  std::deque<std::function<void()>> q;
+  {
+    absl::MutexLock l(&mu_);
+    q.swap(queue_);
+  }
+  for (auto& fn : q) fn();
+}
+
+void WorkerImpl::Loop() {
+  absl::Time last_progress = absl::Now();
+  while (!stop_.load(std::memory_order_relaxed)) {
+    bool progressed = false, busy = false;
+    {
+      absl::MutexLock l(&ucx_mu_);
+      RunQueue();
+      while (ucp_worker_progress(worker_) != 0) progressed = true;
+      ReapClosedEndpoints();
+      if (!batches_.empty()) CheckDeadlines();
+      busy = !batches_.empty() || owner_inflight_ > 0 || !closing_reqs_.empty();
+    }
+    RunCallbacks();
+    if (progressed) {
+      last_progress = absl::Now();
+      continue;
+    }
+    // Keep polling for a while after the last event, in flight or not: peers' software
+    // RMA (UCX emulates put/get over shared memory with AM that this side must answer)
+    // and the next request of a burst arrive within microseconds; idle, sleep.
+    if (absl::Now() - last_progress < options_.spin) continue;
+    {
+      absl::MutexLock l(&mu_);
+      if (!queue_.empty()) continue;
+    }
+    // A caller is driving progress itself (Worker::Progress): stay out of its way, but
+    // keep checking deadlines and wake-ups.
+    if (absl::Now() - absl::FromUnixNanos(external_progress_ns_.load(std::memory_order_relaxed)) <
+        absl::Milliseconds(1)) {
+      usleep(200);
+      continue;
+    }
+    ucs_status_t st;
+    {
+      absl::MutexLock l(&ucx_mu_);
+      st = ucp_worker_arm(worker_);
+    }
+    if (st == UCS_ERR_BUSY) continue;
+    epoll_event ev;
+    // Short sleeps while work is in flight bound deadline checks and cover transports
+    // without wakeup events; idle, the owner still wakes for AM requests by event, and
+    // a submitter that leaves work in flight signals the worker.
+    epoll_wait(epfd_, &ev, 1, busy ? 1 : 50);
+  }
+  // Drain: fail what is in flight, close endpoints, give UCX a bounded time to finish.
+  {
+    absl::MutexLock l(&ucx_mu_);
+    closed_ = true;  // no new batches, connects or closes from other threads
+    RunQueue();
+    std::vector<uint64_t> ids;
+    for (auto& [id, b] : batches_) ids.push_back(id);
+    for (uint64_t id : ids) {
+      auto it = batches_.find(id);
+      if (it != batches_.end()) {
+        Finish(*it->second, absl::CancelledError("transport worker shut down"));
+      }
+    }
+    for (auto& ep : endpoints_) {
+      ep->SetHealth(absl::UnavailableError("transport worker shut down"));
+      to_close_.push_back(ep);
+    }
+    ReapClosedEndpoints();
+    const absl::Time end = absl::Now() + absl::Seconds(2);
+    while ((!closing_reqs_.empty() || owner_inflight_ > 0) && absl::Now() < end) {
+      ucp_worker_progress(worker_);
+      ReapClosedEndpoints();
+    }
+  }
+  RunCallbacks();
+}
+
+// ---------------------------------------------------------------------------------------
+// Arenas
+
+absl::StatusOr<std::shared_ptr<Arena>> WorkerImpl::Register(std::byte* base, uint64_t size,
+                                                            uint64_t page_bytes, bool owns) {
+  if ((base == nullptr && !owns) || page_bytes == 0 || size == 0 || size % page_bytes != 0) {
+    if (owns && base != nullptr) munmap(base, size);
+    return absl::InvalidArgumentError(absl::StrCat(
+        "arena: size=", size, " page_bytes=", page_bytes,
+        "; size must be a positive multiple of page_bytes and memory non-null"));
+  }
+  auto arena = std::shared_ptr<Arena>(new Arena());
+  arena->base_ = base;
+  arena->size_ = size;
+  arena->page_bytes_ = page_bytes;
+  arena->context_ = context_;
+  arena->owns_memory_ = false;  // UCX-allocated memory goes with ucp_mem_unmap
+
+  auto ctx = static_cast<ucp_context_h>(context_->raw());
+  ucp_mem_h memh = nullptr;
+  ucp_mem_map_params_t mp{};
+  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  mp.length = size;
+  if (base == nullptr) {
+    // UCX allocates (UCX_ALLOC_PRIO: sysv / posix shared memory first): peers on this
+    // host then map the arena and put/get are memcpy by the initiator alone, where
+    // registered user memory would need the owner to answer emulated RMA.
+    mp.field_mask |= UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+    mp.flags = UCP_MEM_MAP_ALLOCATE;
+    RETURN_IF_ERROR(FromUcs(ucp_mem_map(ctx, &mp, &memh), "ucp_mem_map (arena allocation)"));
+    ucp_mem_attr_t attr{};
+    attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+    absl::Status q = FromUcs(ucp_mem_query(memh, &attr), "ucp_mem_query");
+    if (!q.ok() || attr.length < size) {
+      ucp_mem_unmap(ctx, memh);
+      return q.ok() ? absl::InternalError("UCX allocated a short arena") : q;
+    }
+    arena->base_ = static_cast<std::byte*>(attr.address);
+    base = arena->base_;
+  } else {
+    mp.field_mask |= UCP_MEM_MAP_PARAM_FIELD_ADDRESS;
+    mp.address = base;
+    RETURN_IF_ERROR(FromUcs(ucp_mem_map(ctx, &mp, &memh), "ucp_mem_map (arena registration)"));
+  }
+  arena->memh_ = memh;
+  void* rkey = nullptr;
+  size_t rkey_len = 0;
+  RETURN_IF_ERROR(FromUcs(ucp_rkey_pack(ctx, memh, &rkey, &rkey_len), "ucp_rkey_pack"));
+  arena->descriptor_.rkey.assign(static_cast<const char*>(rkey), rkey_len);
+  ucp_rkey_buffer_release(rkey);
+
+  absl::MutexLock l(&mu_);
+  arena->id_ = next_arena_id_++;
+  arena->descriptor_.arena_id = arena->id_;
+  arena->descriptor_.base = reinterpret_cast<uint64_t>(base);
+  arena->descriptor_.size = size;
+  arena->descriptor_.page_bytes = page_bytes;
+  arenas_[arena->id_] = arena;
+  return arena;
+}
+
+void WorkerImpl::Forget(uint32_t id) {
+  absl::MutexLock l(&mu_);
+  arenas_.erase(id);
+}
+
+std::shared_ptr<Arena> WorkerImpl::FindArena(uint32_t id) {
+  absl::MutexLock l(&mu_);
+  auto it = arenas_.find(id);
+  if (it == arenas_.end()) return nullptr;
+  return it->second.lock();
+}
+
+// ---------------------------------------------------------------------------------------
+// Endpoints
+
+absl::StatusOr<std::shared_ptr<EndpointImpl>> WorkerImpl::Connect(absl::string_view address,
+                                                                  absl::string_view name) {
+  if (address.empty()) {
+    return absl::InvalidArgumentError("peer address is empty; pass the peer Worker::address()");
+  }
+  auto ep = std::make_shared<EndpointImpl>(weak_from_this(), std::string(name));
+  std::string addr;
+  UnwrapAddress(address, &addr, &ep->peer_pid_);
+  RETURN_IF_ERROR(RunSync([this, ep, addr]() -> absl::Status {
+    ucp_ep_params_t p{};
+    p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    p.address = reinterpret_cast<const ucp_address_t*>(addr.data());
+    p.err_mode = context_->peer_failure_capable() ? UCP_ERR_HANDLING_MODE_PEER
+                                                   : UCP_ERR_HANDLING_MODE_NONE;
+    ep->peer_failure_detection_ = p.err_mode == UCP_ERR_HANDLING_MODE_PEER;
+    p.err_handler.cb = &EpErrCb;
+    p.err_handler.arg = ep.get();
+    if (!ep->name_.empty()) {
+      p.field_mask |= UCP_EP_PARAM_FIELD_NAME;
+      p.name = ep->name_.c_str();
+    }
+    ucs_status_t st = ucp_ep_create(worker_, &p, &ep->ep_);
+    if (st == UCS_ERR_UNREACHABLE && p.err_mode == UCP_ERR_HANDLING_MODE_PEER) {
+      // UCX 1.13's shared-memory AM transports (posix, sysv) have no peer-failure
+      // support, so with UCX_TLS=sm,cma,self no lane qualifies for PEER mode. Connect
+      // without it: a dead peer then surfaces as a failed RMA (cma: ESRCH) or, at the
+      // latest, as the batch timeout.
+      p.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+      st = ucp_ep_create(worker_, &p, &ep->ep_);
+      ep->peer_failure_detection_ = false;
+    }
+    RETURN_IF_ERROR(FromUcs(st, "ucp_ep_create (is the peer address from Worker::address()?)"));
+    ep->describe_ = PrintToString([&](FILE* f) { ucp_ep_print_info(ep->ep_, f); });
+    ep->protocol_ = options_.protocol;
+    if (ep->protocol_ == Protocol::kAuto) {
+      ep->protocol_ = LanesDoRma(ep->describe_) ? Protocol::kRma : Protocol::kActiveMessage;
+    }
+    endpoints_.push_back(ep);
+    return absl::OkStatus();
+  }));
+  return ep;
+}
+
+void WorkerImpl::CloseEndpoint(std::shared_ptr<EndpointImpl> ep) {
+  {
+    absl::MutexLock l(&ucx_mu_);
+    if (closed_) return;
+    ep->SetHealth(absl::UnavailableError("endpoint closed"));
+    FailEndpointBatches(ep.get(), absl::CancelledError("endpoint closed"));
+    to_close_.push_back(ep);
+    ReapClosedEndpoints();
+    ucp_worker_signal(worker_);  // let the progress thread finish the close
+  }
+  RunCallbacks();
+}
+
+void WorkerImpl::OnEpError(EndpointImpl* ep, ucs_status_t status) {
+  absl::Status s = FromUcs(status, absl::StrCat("peer ", ep->name_, " failed"));
+  if (s.ok() || s.code() == absl::StatusCode::kCancelled) {
+    s = absl::UnavailableError(absl::StrCat("peer ", ep->name_, " failed"));
+  } else if (s.code() != absl::StatusCode::kUnavailable) {
+    s = absl::UnavailableError(s.message());
+  }
+  ep->SetHealth(s);
+  FailEndpointBatches(ep, s);
+  for (auto& e : endpoints_) {
+    if (e.get() == ep) to_close_.push_back(e);
+  }
+}
+
+void WorkerImpl::FailEndpointBatches(EndpointImpl* ep, const absl::Status& s) {
+  std::vector<Batch*> hit;
+  for (auto& [id, b] : batches_) {
+    if (b->ep.get() == ep && !b->finished) hit.push_back(b.get());
+  }
+  for (Batch* b : hit) Finish(*b, s);
+}
+
+void WorkerImpl::ReapClosedEndpoints() {
+  while (!to_close_.empty()) {
+    std::vector<std::shared_ptr<EndpointImpl>> eps;
+    eps.swap(to_close_);
+    for (auto& ep : eps) {
+      if (ep->ep_ == nullptr) continue;
+      {
+        absl::MutexLock l(&ep->mu_);
+        for (auto& [id, imp] : ep->imported_) {
+          if (imp.rkey != nullptr) ucp_rkey_destroy(imp.rkey);
+          imp.rkey = nullptr;
+        }
+        for (ucp_rkey_h r : ep->stale_rkeys_) ucp_rkey_destroy(r);
+        ep->stale_rkeys_.clear();
+      }
+      ucp_request_param_t p{};
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      // Force: the peer may be gone, and a graceful close would wait for it.
+      p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      void* req = ucp_ep_close_nbx(ep->ep_, &p);
+      ep->ep_ = nullptr;
+      if (req != nullptr && !UCS_PTR_IS_ERR(req)) closing_reqs_.push_back(req);
+      std::erase(endpoints_, ep);
+    }
+  }
+  for (size_t i = 0; i < closing_reqs_.size();) {
+    if (ucp_request_check_status(closing_reqs_[i]) != UCS_INPROGRESS) {
+      ucp_request_free(closing_reqs_[i]);
+      closing_reqs_[i] = closing_reqs_.back();
+      closing_reqs_.pop_back();
+    } else {
+      ++i;
+    }
+  }
+}
+
+ucp_rkey_h WorkerImpl::RkeyFor(EndpointImpl& ep, uint32_t arena_id, uint64_t* base) {
+  absl::MutexLock l(&ep.mu_);
+  for (ucp_rkey_h r : ep.stale_rkeys_) ucp_rkey_destroy(r);
+  ep.stale_rkeys_.clear();
+  auto it = ep.imported_.find(arena_id);
+  if (it == ep.imported_.end() || ep.ep_ == nullptr) return nullptr;
+  if (it->second.rkey == nullptr) {
+    if (ucp_ep_rkey_unpack(ep.ep_, it->second.desc.rkey.data(), &it->second.rkey) != UCS_OK) {
+      it->second.rkey = nullptr;
+      return nullptr;
+    }
+  }
+  *base = it->second.desc.base;
+  return it->second.rkey;
+}
+
+// ---------------------------------------------------------------------------------------
+// Batches (initiator)
+
+void WorkerImpl::StartBatch(std::unique_ptr<Batch> owned) {
+  Batch& b = *owned;
+  b.id = next_batch_++;
+  b.worker = this;
+  batches_[b.id] = std::move(owned);
+  absl::Status h = b.ep->health();
+  if (!h.ok() || b.ep->ep_ == nullptr) {
+    Finish(b, h.ok() ? absl::UnavailableError("endpoint closed") : h);
+  } else if (b.ep->protocol_ == Protocol::kRma) {
+    StartRma(b);
+  } else {
+    StartAm(b);
+  }
+  if (!b.finished && b.outstanding == 0) Finish(b, absl::OkStatus());
+  MaybeFree(b.id);
+}
+
+void WorkerImpl::Track(Batch& b, ucs_status_ptr_t r, absl::string_view what) {
+  if (r == nullptr) return;
+  if (UCS_PTR_IS_ERR(r)) {
+    Finish(b, FromUcs(UCS_PTR_STATUS(r), what));
+    return;
+  }
+  ++b.outstanding;
+}
+
+void WorkerImpl::StartRma(Batch& b) {
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                   UCP_OP_ATTR_FIELD_MEMH;
+  p.cb.send = &SendCb;
+  p.user_data = &b;
+  uint32_t cached_id = 0;
+  bool needs_flush = false;
+  ucp_rkey_h rkey = nullptr;
+  uint64_t rbase = 0;
+  for (const Segment& s : b.segs) {
+    if (rkey == nullptr || s.remote_arena != cached_id) {
+      rkey = RkeyFor(*b.ep, s.remote_arena, &rbase);
+      cached_id = s.remote_arena;
+      if (rkey == nullptr) {
+        Finish(b, absl::FailedPreconditionError(absl::StrCat(
+                      "cannot unpack the rkey of remote arena ", s.remote_arena,
+                      "; the peer and this process must share a transport (UCX_TLS)")));
+        return;
+      }
+    }
+    p.memh = static_cast<ucp_mem_h>(s.memh);
+    const uint64_t raddr = rbase + s.remote_offset;
+    // Shared memory the owner exported (AllocateArena): UCX has mapped it here, so the
+    // copy is a plain memcpy, complete and visible when it returns.
+    void* mapped = nullptr;
+    if (ucp_rkey_ptr(rkey, raddr, &mapped) == UCS_OK && mapped != nullptr) {
+      if (b.dir == Direction::kPut) {
+        std::memcpy(mapped, s.local, s.len);
+      } else {
+        std::memcpy(s.local, mapped, s.len);
+      }
+      continue;
+    }
+    needs_flush = true;
+    ucs_status_ptr_t r = b.dir == Direction::kPut
+                             ? ucp_put_nbx(b.ep->ep_, s.local, s.len, raddr, rkey, &p)
+                             : ucp_get_nbx(b.ep->ep_, s.local, s.len, raddr, rkey, &p);
+    Track(b, r, b.dir == Direction::kPut ? "ucp_put_nbx" : "ucp_get_nbx");
+    if (b.finished) return;
+  }
+  if (b.dir == Direction::kPut && needs_flush) {
+    // Remote completion: OK must mean the bytes are visible to the owner.
+    ucp_request_param_t fp{};
+    fp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    fp.cb.send = &SendCb;
+    fp.user_data = &b;
+    Track(b, ucp_ep_flush_nbx(b.ep->ep_, &fp), "ucp_ep_flush_nbx");
+  }
+}
+
+void WorkerImpl::StartAm(Batch& b) {
+  const size_t nmsg = (b.segs.size() + kMaxSegsPerMsg - 1) / kMaxSegsPerMsg;
+  b.headers.resize(nmsg);
+  b.iovs.resize(nmsg);
+  for (size_t m = 0; m < nmsg; ++m) {
+    const size_t first = m * kMaxSegsPerMsg;
+    const size_t n = std::min<size_t>(kMaxSegsPerMsg, b.segs.size() - first);
+    AmHeader h{};
+    h.batch_id = b.id;
+    h.part = static_cast<uint32_t>(m);
+    h.num_segs = static_cast<uint32_t>(n);
+    std::string& hdr = b.headers[m];
+    hdr.resize(sizeof(AmHeader) + n * sizeof(WireSeg));
+    std::memcpy(hdr.data(), &h, sizeof(h));
+    auto& iov = b.iovs[m];
+    iov.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      const Segment& s = b.segs[first + i];
+      WireSeg w{};
+      w.arena_id = s.remote_arena;
+      w.offset = s.remote_offset;
+      w.len = s.len;
+      std::memcpy(hdr.data() + sizeof(AmHeader) + i * sizeof(WireSeg), &w, sizeof(w));
+      iov[i] = {s.local, s.len};
+    }
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                     UCP_OP_ATTR_FIELD_FLAGS;
+    p.cb.send = &SendCb;
+    p.user_data = &b;
+    p.flags = UCP_AM_SEND_FLAG_REPLY;
+    ++b.outstanding;  // the ack (put) or the response (get)
+    ucs_status_ptr_t r;
+    if (b.dir == Direction::kPut) {
+      p.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+      p.datatype = ucp_dt_make_iov();
+      r = ucp_am_send_nbx(b.ep->ep_, kAmPut, hdr.data(), hdr.size(), iov.data(), iov.size(), &p);
+    } else {
+      r = ucp_am_send_nbx(b.ep->ep_, kAmGetReq, hdr.data(), hdr.size(), nullptr, 0, &p);
+    }
+    Track(b, r, "ucp_am_send_nbx");
+    if (b.finished) return;
+  }
+}
+
+void WorkerImpl::OnOpDone(Batch* b, ucs_status_t status) {
+  --b->outstanding;
+  if (status != UCS_OK) {
+    Finish(*b, FromUcs(status, b->dir == Direction::kPut ? "put" : "get"));
+  } else if (!b->finished && b->outstanding == 0) {
+    Finish(*b, absl::OkStatus());
+  }
+  MaybeFree(b->id);
+}
+
+void WorkerImpl::Finish(Batch& b, absl::Status s) {
+  if (b.finished) return;
+  if (s.ok() && b.ep->PeerProcessGone()) {
+    // One-sided shared memory outlives its owner: the bytes moved, but to or from an
+    // arena nobody serves any more.
+    s = absl::UnavailableError(absl::StrCat("peer process ", b.ep->peer_pid_,
+                                            " exited; reconnect to a live peer"));
+    b.ep->SetHealth(s);
+  }
+  b.finished = true;
+  b.status = s;
+  {
+    absl::MutexLock l(&mu_);
+    if (s.ok()) {
+      ++stats_.batches_ok;
+      (b.dir == Direction::kPut ? stats_.bytes_put : stats_.bytes_get) += b.bytes;
+    } else {
+      ++stats_.batches_failed;
+    }
+  }
+  // Delivered by RunCallbacks once ucx_mu_ is released: a callback may submit again.
+  if (b.done) ready_.emplace_back(std::move(b.done), std::move(s));
+  b.done = nullptr;
+}
+
+void WorkerImpl::MaybeFree(uint64_t id) {
+  auto it = batches_.find(id);
+  if (it != batches_.end() && it->second->finished && it->second->outstanding <= 0) {
+    batches_.erase(it);
+  }
+}
+
+void WorkerImpl::CheckDeadlines() {
+  const absl::Time now = absl::Now();
+  if (now - last_deadline_check_ < absl::Milliseconds(5)) return;
+  last_deadline_check_ = now;
+  std::vector<Batch*> late;
+  for (auto& [id, b] : batches_) {
+    if (!b->finished && now > b->deadline) late.push_back(b.get());
+  }
+  for (Batch* b : late) {
+    if (b->finished) continue;
+    auto ep = b->ep;
+    const absl::Status s = absl::DeadlineExceededError(absl::StrCat(
+        "batch did not complete within ", absl::FormatDuration(options_.batch_timeout),
+        "; endpoint closed (reconnect to retry)"));
+    ep->SetHealth(absl::UnavailableError(s.message()));
+    FailEndpointBatches(ep.get(), s);
+    // UCX cannot cancel a started RMA: closing the endpoint completes what is pending.
+    to_close_.push_back(ep);
+  }
+}
+
+}  // namespace kvpool::transport
