@@ -1,0 +1,112 @@
+// PoolClient: what a worker links to use a pool node. It hides the two-phase put and the
+// UCX data plane behind five calls:
+//
+//   Connect   gRPC Connect + UCX endpoint to the node + import of its DRAM arena
+//   Lookup    longest present prefix of a chain, with descriptors under one lease
+//   Get       copies leased objects into local arena pages (one UCX batch), checks checksums
+//   Put       Reserve -> UCX put of local pages -> Commit with XXH3 checksums
+//   Release   ends a lease early (leases also expire on their own)
+//
+// Example:
+//   ASSIGN_OR_RETURN(auto kv, worker->RegisterArena(memory, 65536));
+//   ASSIGN_OR_RETURN(auto pool, PoolClient::Connect({.node_address = "10.0.0.5:50061",
+//                                                    .client_id = "worker-3",
+//                                                    .worker = worker.get(), .local_arena = kv}));
+//   ASSIGN_OR_RETURN(auto st, pool->Put({{.hash = h1, .kind = StateKind::kAttnKv,
+//                                         .local_pages = {7, 8}, .length = 100000}}));
+//   ASSIGN_OR_RETURN(PoolLease lease, pool->Lookup(hashes));
+//   RETURN_IF_ERROR(pool->Get(lease, {{12, 13}}));   // lease.objects[0] -> pages 12, 13
+//   RETURN_IF_ERROR(pool->Release(lease.lease_id));
+//
+// Local and node page sizes may differ (the transport scatters/gathers on both sides).
+//
+// Thread safety: all methods are thread-safe (gRPC stubs and transport endpoints are).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kvpool/pool_node/types.h"
+
+namespace kvpool::transport {
+class Worker;
+class Arena;
+class Endpoint;
+}  // namespace kvpool::transport
+
+namespace kvpool::v1 {
+class PoolStats;
+}
+
+namespace kvpool::pool_node {
+
+struct PoolClientOptions {
+  std::string node_address;                       // kvpool-node gRPC host:port
+  std::string client_id;                          // 1..128 bytes, unique per process
+  transport::Worker* worker = nullptr;            // caller's UCX worker; outlives the client
+  std::shared_ptr<transport::Arena> local_arena;  // registered with `worker`
+  int rpc_timeout_ms = 10'000;
+};
+
+// An object found by Lookup: where its bytes sit in the node's arena.
+struct RemoteObject {
+  ObjectKey key;
+  Tier found_in = Tier::kDram;
+  std::vector<uint32_t> pages;  // node arena pages
+  uint64_t length = 0;
+  uint64_t checksum = 0;
+};
+
+struct PoolLease {
+  uint32_t prefix_blocks = 0;
+  std::vector<RemoteObject> objects;  // hits in chain order
+  uint64_t lease_id = 0;              // 0: nothing found (nothing to release)
+  int64_t expires_unix_ms = 0;
+};
+
+struct PutItem {
+  BlockHash hash;
+  std::optional<BlockHash> parent = {};   // nullopt: a chain start
+  StateKind kind = StateKind::kAttnKv;
+  std::vector<uint64_t> local_pages = {};  // pages of the local arena holding the bytes
+  uint64_t length = 0;                     // object bytes
+};
+
+class PoolClient {
+ public:
+  static absl::StatusOr<std::unique_ptr<PoolClient>> Connect(PoolClientOptions options);
+  ~PoolClient();
+
+  absl::StatusOr<PoolLease> Lookup(std::span<const BlockHash> chain,
+                                   StateKind kind = StateKind::kAttnKv, uint32_t lease_ms = 0,
+                                   bool allow_gaps = false);
+  // Copies lease.objects[i] into local pages dst[i] (enough pages for its length), in
+  // one transfer batch, then checks each object's checksum. FAILED_PRECONDITION when the
+  // lease has already expired; DATA_LOSS when bytes do not match (e.g. the lease ran
+  // out during the transfer and the node reused the pages): Lookup again.
+  absl::Status Get(const PoolLease& lease, std::span<const std::vector<uint64_t>> dst);
+  // Stores objects: one status per item (OK: stored or already present; DATA_LOSS: the
+  // node saw other bytes than the checksum says). RESOURCE_EXHAUSTED etc. for the call.
+  absl::StatusOr<std::vector<absl::Status>> Put(std::span<const PutItem> items);
+  absl::Status Release(uint64_t lease_id);
+  absl::StatusOr<v1::PoolStats> GetStats();
+
+  const std::string& node_id() const;
+  uint64_t node_page_bytes() const;
+  uint64_t node_pages() const;
+  // XXH3-64 of `length` bytes spread over local pages (what Put sends as the checksum).
+  uint64_t LocalChecksum(std::span<const uint64_t> pages, uint64_t length) const;
+
+ private:
+  struct State;
+  PoolClient();
+  std::unique_ptr<State> s_;
+};
+
+}  // namespace kvpool::pool_node

@@ -1,0 +1,137 @@
+// PoolCore::Impl: the index behind PoolCore (private to pool-node/).
+//
+// Invariants (all under mu_):
+//  1. An object in objects_ has a DRAM copy, an NVMe copy, or both; with neither it is
+//     erased. Reserved pages belong to a ReservationState, never to an object.
+//  2. leaves_[t] holds (tick, key) for exactly the objects with a copy in tier t and no
+//     child (same kind, parent == its hash) with a copy in t; tick is the object's last
+//     use, so begin() is the least recently used leaf.
+//  3. An object with leases > 0 or pins > 0 keeps its DRAM copy (eviction and demotion
+//     skip it); one with nvme_busy keeps its NVMe copy.
+//  4. A LINEAR_STATE object is `announced` iff the ATTN_KV chain ending at its hash is
+//     present (every link up to a chain start); only announced ones are looked up or
+//     reported to the EventSink.
+#pragma once
+
+#include <memory>
+#include <set>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "kvpool/pool_node/page_allocator.h"
+#include "kvpool/pool_node/pool_core.h"
+#include "nvme_store.h"
+
+namespace kvpool::pool_node {
+
+struct Object {
+  ObjectKey key;
+  std::optional<BlockHash> parent;
+  uint64_t length = 0;
+  uint64_t checksum = 0;
+  bool copy[kNumTiers] = {false, false};
+  std::vector<uint32_t> pages[kNumTiers];  // DRAM arena pages / NVMe file pages
+  uint64_t tick = 0;                       // last use (LRU)
+  bool in_leaves[kNumTiers] = {false, false};
+  uint32_t leases = 0;    // active leases naming this object
+  uint32_t pins = 0;      // DRAM copy in use by a demotion write or a Lookup in progress
+  bool nvme_busy = false; // NVMe copy being read by a promotion
+  bool demoting = false;
+  std::shared_ptr<absl::Notification> promotion;  // set while being promoted
+  bool announced = false;  // LINEAR_STATE only (invariant 4)
+};
+
+struct ReservedEntry {
+  ReserveEntrySpec spec;
+  bool already_present = false;
+  bool consumed = false;
+  std::vector<uint32_t> pages;
+};
+
+struct ReservationState {
+  int64_t expires_ms = 0;
+  bool committing = false;
+  std::vector<ReservedEntry> entries;
+};
+
+struct LeaseState {
+  int64_t expires_ms = 0;
+  std::vector<ObjectKey> keys;
+};
+
+class PoolCore::Impl {
+ public:
+  Impl(PoolCore* core, const PoolOptions& o);
+
+  PoolCore* core_;
+  const PoolOptions& opt_;
+  Clock* clock_;
+  uint64_t page_bytes_;
+  std::unique_ptr<NvmeStore> nvme_;  // set at Create, then immutable
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<ObjectKey, std::unique_ptr<Object>> objects_ ABSL_GUARDED_BY(mu_);
+  // (parent hash, kind) -> child hashes of committed objects (parent may be absent).
+  absl::flat_hash_map<ObjectKey, absl::flat_hash_set<BlockHash>> children_ ABSL_GUARDED_BY(mu_);
+  std::set<std::pair<uint64_t, ObjectKey>> leaves_[kNumTiers] ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<PageAllocator> alloc_[kNumTiers] ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, ReservationState> reservations_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, LeaseState> leases_ ABSL_GUARDED_BY(mu_);
+  std::set<std::pair<int64_t, uint64_t>> lease_expiry_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t tick_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t used_by_kind_[kNumTiers][kNumKinds] ABSL_GUARDED_BY(mu_) = {};  // pages
+  uint64_t reserved_by_kind_[kNumKinds] ABSL_GUARDED_BY(mu_) = {};        // pages
+  uint64_t objects_in_[kNumTiers] ABSL_GUARDED_BY(mu_) = {};
+  uint64_t evictions_[kNumTiers] ABSL_GUARDED_BY(mu_) = {};
+  uint64_t checksum_failures_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t demotions_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t promotions_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t reclaimed_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t expired_leases_ ABSL_GUARDED_BY(mu_) = 0;
+
+  // Background maintenance.
+  absl::Mutex bg_mu_;
+  bool stop_ ABSL_GUARDED_BY(bg_mu_) = false;
+  std::thread bg_;
+
+  // --- bookkeeping (core_objects.cc) ---
+  Object* Find(const ObjectKey& k) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool Visible(const Object& o) const { return o.key.kind == StateKind::kAttnKv || o.announced; }
+  bool HasChildIn(const Object& o, int t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RefreshLeaf(Object& o, int t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RefreshParent(const Object& o) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Touch(Object& o) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Inserts a new object that has no copy yet; the caller adds copies next.
+  Object* Insert(std::unique_ptr<Object> o) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AddCopy(Object& o, int t, std::vector<uint32_t> pages) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops a copy (frees pages, journals NVMe removals); erases the object when it was
+  // the last one. `o` is invalid afterwards in that case.
+  void DropCopy(Object& o, int t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool KvPrefixPresent(const BlockHash& h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Announce(Object& lin, bool on) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AnnounceBelow(const BlockHash& h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UnannounceBelow(const BlockHash& h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Evicts leaves of tier t (optionally only of one kind) until `free_pages` are free
+  // (or, with a kind, until that kind uses at most `kind_limit` pages). False if it
+  // cannot.
+  bool Evict(int t, uint64_t free_pages) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool EvictKind(StateKind kind, uint64_t kind_limit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool Evictable(const Object& o, int t) const;
+  void ExpireLocked(int64_t now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EndLease(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FreeReservation(ReservationState& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::vector<std::byte*> Addresses(const std::vector<uint32_t>& dram_pages) const;
+  uint64_t Checksum(const std::vector<uint32_t>& dram_pages, uint64_t length) const;
+  uint64_t PagesFor(uint64_t bytes) const { return (bytes + page_bytes_ - 1) / page_bytes_; }
+
+  // --- demotion (core_objects.cc) ---
+  size_t DemoteBatch(size_t max_objects, uint64_t stop_at_used_pages);
+  void BackgroundLoop();
+};
+
+}  // namespace kvpool::pool_node

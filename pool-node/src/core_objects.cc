@@ -1,0 +1,356 @@
+// PoolCore::Impl bookkeeping: copies, leaves, visibility, eviction, expiry, demotion.
+#include <xxhash.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "core_impl.h"
+#include "spdlog/spdlog.h"
+
+namespace kvpool::pool_node {
+
+PoolCore::Impl::Impl(PoolCore* core, const PoolOptions& o)
+    : core_(core), opt_(o), clock_(o.clock ? o.clock : SystemClock()), page_bytes_(o.page_bytes) {}
+
+Object* PoolCore::Impl::Find(const ObjectKey& k) {
+  auto it = objects_.find(k);
+  return it == objects_.end() ? nullptr : it->second.get();
+}
+
+bool PoolCore::Impl::HasChildIn(const Object& o, int t) {
+  auto it = children_.find(o.key);
+  if (it == children_.end()) return false;
+  for (const BlockHash& c : it->second) {
+    const Object* child = Find(ObjectKey{c, o.key.kind});
+    if (child != nullptr && child->copy[t]) return true;
+  }
+  return false;
+}
+
+void PoolCore::Impl::RefreshLeaf(Object& o, int t) {
+  const bool want = o.copy[t] && !HasChildIn(o, t);
+  if (want == o.in_leaves[t]) return;
+  if (want) leaves_[t].emplace(o.tick, o.key);
+  else leaves_[t].erase({o.tick, o.key});
+  o.in_leaves[t] = want;
+}
+
+void PoolCore::Impl::RefreshParent(const Object& o) {
+  if (!o.parent) return;
+  Object* p = Find(ObjectKey{*o.parent, o.key.kind});
+  if (p == nullptr) return;
+  for (int t = 0; t < kNumTiers; ++t) RefreshLeaf(*p, t);
+}
+
+void PoolCore::Impl::Touch(Object& o) {
+  for (int t = 0; t < kNumTiers; ++t) {
+    if (o.in_leaves[t]) leaves_[t].erase({o.tick, o.key});
+  }
+  o.tick = ++tick_;
+  for (int t = 0; t < kNumTiers; ++t) {
+    if (o.in_leaves[t]) leaves_[t].emplace(o.tick, o.key);
+  }
+}
+
+Object* PoolCore::Impl::Insert(std::unique_ptr<Object> o) {
+  Object* p = o.get();
+  p->tick = ++tick_;
+  if (p->parent) children_[ObjectKey{*p->parent, p->key.kind}].insert(p->key.hash);
+  objects_.emplace(p->key, std::move(o));
+  if (p->key.kind == StateKind::kLinearState) p->announced = KvPrefixPresent(p->key.hash);
+  return p;
+}
+
+void PoolCore::Impl::AddCopy(Object& o, int t, std::vector<uint32_t> pages) {
+  const bool first_copy = !o.copy[0] && !o.copy[1];
+  o.copy[t] = true;
+  used_by_kind_[t][KindIndex(o.key.kind)] += pages.size();
+  o.pages[t] = std::move(pages);
+  ++objects_in_[t];
+  RefreshLeaf(o, t);
+  RefreshParent(o);
+  if (Visible(o) && opt_.events != nullptr) opt_.events->OnStored(o.key, o.parent, static_cast<Tier>(t));
+  if (first_copy && o.key.kind == StateKind::kAttnKv) AnnounceBelow(o.key.hash);
+}
+
+void PoolCore::Impl::DropCopy(Object& o, int t) {
+  if (!o.copy[t]) return;
+  if (Visible(o) && opt_.events != nullptr) opt_.events->OnRemoved(o.key, static_cast<Tier>(t));
+  if (o.in_leaves[t]) leaves_[t].erase({o.tick, o.key});
+  o.in_leaves[t] = false;
+  o.copy[t] = false;
+  alloc_[t]->Free(o.pages[t]);
+  used_by_kind_[t][KindIndex(o.key.kind)] -= o.pages[t].size();
+  o.pages[t].clear();
+  --objects_in_[t];
+  if (t == static_cast<int>(Tier::kNvme)) {
+    absl::Status s = nvme_->JournalRemove({&o.key, 1});
+    if (!s.ok()) spdlog::error("NVMe journal: {}", std::string(s.message()));
+  }
+  RefreshParent(o);
+  if (o.copy[0] || o.copy[1]) return;
+  // Last copy gone: erase the object.
+  const ObjectKey key = o.key;
+  const std::optional<BlockHash> parent = o.parent;
+  if (parent) {
+    auto it = children_.find(ObjectKey{*parent, key.kind});
+    if (it != children_.end()) {
+      it->second.erase(key.hash);
+      if (it->second.empty()) children_.erase(it);
+    }
+  }
+  objects_.erase(key);
+  if (key.kind == StateKind::kAttnKv) UnannounceBelow(key.hash);
+}
+
+bool PoolCore::Impl::KvPrefixPresent(const BlockHash& h) {
+  const Object* o = Find(ObjectKey{h, StateKind::kAttnKv});
+  for (size_t steps = 0; o != nullptr && steps <= objects_.size(); ++steps) {
+    if (!o->parent) return true;
+    o = Find(ObjectKey{*o->parent, StateKind::kAttnKv});
+  }
+  return false;
+}
+
+void PoolCore::Impl::Announce(Object& lin, bool on) {
+  if (lin.announced == on) return;
+  if (!on && opt_.events != nullptr) {
+    for (int t = 0; t < kNumTiers; ++t) {
+      if (lin.copy[t]) opt_.events->OnRemoved(lin.key, static_cast<Tier>(t));
+    }
+  }
+  lin.announced = on;
+  if (on && opt_.events != nullptr) {
+    for (int t = 0; t < kNumTiers; ++t) {
+      if (lin.copy[t]) opt_.events->OnStored(lin.key, lin.parent, static_cast<Tier>(t));
+    }
+  }
+}
+
+// A KV object appeared: checkpoints at it and below it whose chain is now complete
+// become visible.
+void PoolCore::Impl::AnnounceBelow(const BlockHash& h) {
+  if (!KvPrefixPresent(h)) return;
+  std::vector<BlockHash> stack = {h};
+  while (!stack.empty()) {
+    const BlockHash d = stack.back();
+    stack.pop_back();
+    if (Object* lin = Find(ObjectKey{d, StateKind::kLinearState})) Announce(*lin, true);
+    auto it = children_.find(ObjectKey{d, StateKind::kAttnKv});
+    if (it == children_.end()) continue;
+    for (const BlockHash& c : it->second) {
+      if (Find(ObjectKey{c, StateKind::kAttnKv}) != nullptr) stack.push_back(c);
+    }
+  }
+}
+
+// A KV object vanished: checkpoints at it and below it lose their prefix.
+void PoolCore::Impl::UnannounceBelow(const BlockHash& h) {
+  std::vector<BlockHash> stack = {h};
+  bool first = true;
+  while (!stack.empty()) {
+    const BlockHash d = stack.back();
+    stack.pop_back();
+    if (!first && Find(ObjectKey{d, StateKind::kAttnKv}) == nullptr) continue;
+    first = false;
+    if (Object* lin = Find(ObjectKey{d, StateKind::kLinearState})) Announce(*lin, false);
+    auto it = children_.find(ObjectKey{d, StateKind::kAttnKv});
+    if (it == children_.end()) continue;
+    for (const BlockHash& c : it->second) stack.push_back(c);
+  }
+}
+
+bool PoolCore::Impl::Evictable(const Object& o, int t) const {
+  if (t == static_cast<int>(Tier::kDram)) {
+    return o.leases == 0 && o.pins == 0 && !o.demoting && o.promotion == nullptr;
+  }
+  return !o.nvme_busy;
+}
+
+bool PoolCore::Impl::Evict(int t, uint64_t free_pages) {
+  while (alloc_[t]->free_pages() < free_pages) {
+    Object* victim = nullptr;
+    for (const auto& [tick, key] : leaves_[t]) {
+      Object* o = Find(key);
+      if (Evictable(*o, t)) {
+        victim = o;
+        break;
+      }
+    }
+    if (victim == nullptr) return false;
+    DropCopy(*victim, t);
+    ++evictions_[t];
+  }
+  return true;
+}
+
+bool PoolCore::Impl::EvictKind(StateKind kind, uint64_t kind_limit) {
+  constexpr int t = static_cast<int>(Tier::kDram);
+  while (used_by_kind_[t][KindIndex(kind)] > kind_limit) {
+    Object* victim = nullptr;
+    for (const auto& [tick, key] : leaves_[t]) {
+      Object* o = Find(key);
+      if (key.kind == kind && Evictable(*o, t)) {
+        victim = o;
+        break;
+      }
+    }
+    if (victim == nullptr) return false;
+    DropCopy(*victim, t);
+    ++evictions_[t];
+  }
+  return true;
+}
+
+void PoolCore::Impl::EndLease(uint64_t id) {
+  auto it = leases_.find(id);
+  if (it == leases_.end()) return;
+  for (const ObjectKey& k : it->second.keys) {
+    if (Object* o = Find(k)) --o->leases;  // leased objects keep their DRAM copy (inv. 3)
+  }
+  lease_expiry_.erase({it->second.expires_ms, id});
+  leases_.erase(it);
+}
+
+void PoolCore::Impl::FreeReservation(ReservationState& r) {
+  for (ReservedEntry& e : r.entries) {
+    if (!e.pages.empty()) {
+      alloc_[0]->Free(e.pages);
+      reserved_by_kind_[KindIndex(e.spec.kind)] -= e.pages.size();
+      e.pages.clear();
+    }
+  }
+}
+
+void PoolCore::Impl::ExpireLocked(int64_t now) {
+  while (!lease_expiry_.empty() && lease_expiry_.begin()->first <= now) {
+    const uint64_t id = lease_expiry_.begin()->second;
+    EndLease(id);
+    ++expired_leases_;
+  }
+  for (auto it = reservations_.begin(); it != reservations_.end();) {
+    if (!it->second.committing && it->second.expires_ms <= now) {
+      FreeReservation(it->second);
+      ++reclaimed_;
+      reservations_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+}
+
+std::vector<std::byte*> PoolCore::Impl::Addresses(const std::vector<uint32_t>& pages) const {
+  std::vector<std::byte*> out;
+  out.reserve(pages.size());
+  for (uint32_t p : pages) out.push_back(core_->arena_ + uint64_t{p} * page_bytes_);
+  return out;
+}
+
+uint64_t PoolCore::Impl::Checksum(const std::vector<uint32_t>& pages, uint64_t length) const {
+  XXH3_state_t* st = XXH3_createState();
+  XXH3_64bits_reset(st);
+  uint64_t left = length;
+  for (uint32_t p : pages) {
+    const uint64_t n = std::min(left, page_bytes_);
+    XXH3_64bits_update(st, core_->arena_ + uint64_t{p} * page_bytes_, n);
+    left -= n;
+  }
+  const uint64_t sum = XXH3_64bits_digest(st);
+  XXH3_freeState(st);
+  return sum;
+}
+
+// One round of demotion: writes up to `max_objects` of the coldest DRAM leaves to NVMe
+// (one io_uring batch) and drops their DRAM copies, stopping once DRAM uses at most
+// `stop_at_used_pages`. Returns how many objects left DRAM.
+size_t PoolCore::Impl::DemoteBatch(size_t max_objects, uint64_t stop_at_used_pages) {
+  if (nvme_ == nullptr) return 0;
+  constexpr int kD = static_cast<int>(Tier::kDram), kN = static_cast<int>(Tier::kNvme);
+  struct Move {
+    ObjectKey key;
+    std::vector<uint32_t> nvme_pages;
+    std::vector<uint32_t> dram_pages;
+  };
+  std::vector<Move> moves;
+  size_t moved = 0;
+  {
+    absl::MutexLock l(&mu_);
+    uint64_t planned = 0;
+    std::vector<ObjectKey> candidates;
+    for (const auto& [tick, key] : leaves_[kD]) {
+      if (candidates.size() >= max_objects) break;
+      const Object* o = Find(key);
+      if (!Evictable(*o, kD)) continue;
+      if (alloc_[kD]->used_pages() <= stop_at_used_pages + planned) break;
+      planned += o->pages[kD].size();
+      candidates.push_back(key);
+    }
+    for (const ObjectKey& key : candidates) {
+      Object* o = Find(key);
+      if (o == nullptr || !Evictable(*o, kD) || !o->copy[kD]) continue;
+      if (o->copy[kN]) {  // clean: the NVMe copy is already there
+        DropCopy(*o, kD);
+        ++demotions_;
+        ++moved;
+        continue;
+      }
+      const uint64_t n = o->pages[kD].size();
+      if (alloc_[kN]->free_pages() < n && !Evict(kN, n)) break;
+      auto pages = alloc_[kN]->Allocate(static_cast<uint32_t>(n));
+      if (!pages) break;
+      o->demoting = true;
+      ++o->pins;
+      moves.push_back(Move{key, std::move(*pages), o->pages[kD]});
+    }
+  }
+  if (moves.empty()) return moved;
+  std::vector<uint32_t> nvme_pages;
+  std::vector<std::byte*> memory;
+  for (const Move& m : moves) {
+    nvme_pages.insert(nvme_pages.end(), m.nvme_pages.begin(), m.nvme_pages.end());
+    auto a = Addresses(m.dram_pages);
+    memory.insert(memory.end(), a.begin(), a.end());
+  }
+  absl::Status io = nvme_->Transfer(/*write=*/true, nvme_pages, memory);
+  if (!io.ok()) spdlog::error("NVMe demotion write failed: {}", std::string(io.message()));
+  absl::MutexLock l(&mu_);
+  std::vector<NvmeRecord> records;
+  for (Move& m : moves) {
+    Object* o = Find(m.key);  // pinned: still present with its DRAM copy
+    o->demoting = false;
+    --o->pins;
+    if (!io.ok()) {
+      alloc_[kN]->Free(m.nvme_pages);
+      continue;
+    }
+    records.push_back(NvmeRecord{o->key, o->parent, o->length, o->checksum, m.nvme_pages});
+  }
+  if (io.ok()) {
+    absl::Status js = nvme_->JournalAdd(records);
+    if (!js.ok()) spdlog::error("NVMe journal: {}", std::string(js.message()));
+    for (Move& m : moves) {
+      Object* o = Find(m.key);
+      AddCopy(*o, kN, std::move(m.nvme_pages));
+      // A Lookup may have leased it meanwhile: then it stays in DRAM too.
+      if (Evictable(*o, kD)) {
+        DropCopy(*o, kD);
+        ++demotions_;
+        ++moved;
+      }
+    }
+  }
+  return moved;
+}
+
+void PoolCore::Impl::BackgroundLoop() {
+  for (;;) {
+    {
+      absl::MutexLock l(&bg_mu_);
+      bg_mu_.AwaitWithTimeout(absl::Condition(&stop_), absl::Milliseconds(opt_.maintenance_interval_ms));
+      if (stop_) return;
+    }
+    core_->RunMaintenance();
+  }
+}
+
+}  // namespace kvpool::pool_node

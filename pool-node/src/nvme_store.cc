@@ -1,0 +1,300 @@
+#include "nvme_store.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "kvpool/common/status.h"
+
+namespace kvpool::pool_node {
+namespace {
+
+constexpr uint64_t kMagic = 0x314c4e524a50564bull;  // "KVPJRNL1"
+constexpr uint8_t kHeader = 0, kAdd = 1, kDel = 2;
+constexpr uint32_t kMaxOpBytes = 1u << 20;
+
+void Put64(std::string& s, uint64_t v) { s.append(reinterpret_cast<const char*>(&v), 8); }
+void Put32(std::string& s, uint32_t v) { s.append(reinterpret_cast<const char*>(&v), 4); }
+
+// [u32 body length][body = u8 type + payload][u64 XXH3-64 of body]
+std::string Frame(uint8_t type, const std::string& payload) {
+  std::string body(1, static_cast<char>(type));
+  body += payload;
+  std::string out;
+  Put32(out, static_cast<uint32_t>(body.size()));
+  out += body;
+  Put64(out, XXH3_64bits(body.data(), body.size()));
+  return out;
+}
+
+std::string AddRecord(const NvmeRecord& r) {
+  std::string p;
+  Put64(p, r.key.hash.lo);
+  Put64(p, r.key.hash.hi);
+  p.push_back(static_cast<char>(r.key.kind));
+  p.push_back(r.parent ? 1 : 0);
+  Put64(p, r.parent ? r.parent->lo : 0);
+  Put64(p, r.parent ? r.parent->hi : 0);
+  Put64(p, r.length);
+  Put64(p, r.checksum);
+  Put32(p, static_cast<uint32_t>(r.pages.size()));
+  for (uint32_t pg : r.pages) Put32(p, pg);
+  return Frame(kAdd, p);
+}
+
+std::string DelRecord(const ObjectKey& k) {
+  std::string p;
+  Put64(p, k.hash.lo);
+  Put64(p, k.hash.hi);
+  p.push_back(static_cast<char>(k.kind));
+  return Frame(kDel, p);
+}
+
+std::string HeaderRecord(uint64_t page_bytes, uint64_t num_pages) {
+  std::string p;
+  Put64(p, kMagic);
+  Put64(p, page_bytes);
+  Put64(p, num_pages);
+  return Frame(kHeader, p);
+}
+
+struct Reader {
+  const char* p;
+  const char* end;
+  bool ok = true;
+  uint64_t U64() { uint64_t v = 0; if (end - p < 8) { ok = false; return 0; } std::memcpy(&v, p, 8); p += 8; return v; }
+  uint32_t U32() { uint32_t v = 0; if (end - p < 4) { ok = false; return 0; } std::memcpy(&v, p, 4); p += 4; return v; }
+  uint8_t U8() { if (end - p < 1) { ok = false; return 0; } return static_cast<uint8_t>(*p++); }
+};
+
+absl::Status Errno(absl::string_view what, const std::string& path) {
+  return absl::InternalError(absl::StrCat(what, " ", path, ": ", std::strerror(errno)));
+}
+
+absl::Status WriteAll(int fd, const std::string& bytes, const std::string& path) {
+  size_t off = 0;
+  while (off < bytes.size()) {
+    ssize_t n = ::write(fd, bytes.data() + off, bytes.size() - off);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return Errno("write", path);
+    off += static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+// Checks that `dir` takes O_DIRECT I/O of `page_bytes` (some filesystems refuse it at
+// open, some only at the first read or write).
+absl::Status ProbeDirectIo(const std::string& dir, uint64_t page_bytes) {
+  const std::string path = dir + "/.kvpool-odirect-probe";
+  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_DIRECT | O_CLOEXEC, 0600);
+  int err = fd < 0 ? errno : 0;
+  if (fd >= 0) {
+    void* buf = nullptr;
+    if (posix_memalign(&buf, 4096, page_bytes) != 0) {
+      ::close(fd);
+      return absl::ResourceExhaustedError("posix_memalign for the O_DIRECT probe failed");
+    }
+    std::memset(buf, 0x5a, page_bytes);
+    if (::pwrite(fd, buf, page_bytes, 0) != static_cast<ssize_t>(page_bytes)) err = errno ? errno : EIO;
+    else if (::pread(fd, buf, page_bytes, 0) != static_cast<ssize_t>(page_bytes)) err = errno ? errno : EIO;
+    std::free(buf);
+    ::close(fd);
+  }
+  ::unlink(path.c_str());
+  if (err == EINVAL) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--nvme-dir=", dir, " does not support O_DIRECT I/O (EINVAL); put the NVMe tier on a "
+        "filesystem that does, e.g. ext4 or xfs on the NVMe device"));
+  }
+  if (err != 0) {
+    return absl::FailedPreconditionError(absl::StrCat("--nvme-dir=", dir, ": O_DIRECT probe failed: ",
+                                                      std::strerror(err)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<NvmeStore>> NvmeStore::Open(const std::string& dir,
+                                                           uint64_t capacity_bytes,
+                                                           uint64_t page_bytes,
+                                                           unsigned queue_depth,
+                                                           std::span<std::byte> fixed,
+                                                           std::vector<NvmeRecord>* recovered) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--nvme-dir=", dir, " cannot be created: ", ec.message()));
+  }
+  RETURN_IF_ERROR(ProbeDirectIo(dir, page_bytes));
+  std::unique_ptr<NvmeStore> s(new NvmeStore());
+  s->page_bytes_ = page_bytes;
+  const uint64_t pages = capacity_bytes / page_bytes;
+  if (pages == 0 || pages > UINT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat("--nvme=", capacity_bytes, " holds ", pages,
+                                                   " pages of --page-bytes=", page_bytes,
+                                                   "; give 1..2^32-1 pages"));
+  }
+  s->num_pages_ = static_cast<uint32_t>(pages);
+  s->data_path_ = dir + "/kvpool-nvme.data";
+  const std::string journal_path = dir + "/kvpool-nvme.journal";
+
+  // Replay the journal.
+  absl::flat_hash_map<ObjectKey, NvmeRecord> live;
+  {
+    int jfd = ::open(journal_path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (jfd >= 0) {
+      std::string data;
+      char buf[1 << 16];
+      ssize_t n;
+      while ((n = ::read(jfd, buf, sizeof(buf))) > 0) data.append(buf, n);
+      ::close(jfd);
+      const char* p = data.data();
+      const char* end = p + data.size();
+      bool first = true;
+      while (end - p >= 4) {
+        uint32_t len;
+        std::memcpy(&len, p, 4);
+        if (len == 0 || static_cast<uint64_t>(end - p) < 4ull + len + 8) break;  // torn tail
+        const char* body = p + 4;
+        uint64_t sum;
+        std::memcpy(&sum, body + len, 8);
+        if (XXH3_64bits(body, len) != sum) break;
+        p = body + len + 8;
+        Reader r{body + 1, body + len};
+        const uint8_t type = static_cast<uint8_t>(body[0]);
+        if (first) {
+          first = false;
+          if (type != kHeader || r.U64() != kMagic) {
+            return absl::FailedPreconditionError(absl::StrCat(
+                journal_path, " is not a kvpool NVMe journal; point --nvme-dir at an empty or "
+                "kvpool-owned directory"));
+          }
+          const uint64_t jpage = r.U64(), jpages = r.U64();
+          if (jpage != page_bytes || jpages != pages) {
+            return absl::FailedPreconditionError(absl::StrCat(
+                "--nvme-dir=", dir, " was written with --page-bytes=", jpage, " and ", jpages,
+                " pages (--nvme=", jpage * jpages, "); restart with those values or use an "
+                "empty --nvme-dir"));
+          }
+          continue;
+        }
+        if (type == kAdd) {
+          NvmeRecord rec;
+          rec.key.hash.lo = r.U64();
+          rec.key.hash.hi = r.U64();
+          rec.key.kind = static_cast<StateKind>(r.U8());
+          const bool has_parent = r.U8() != 0;
+          BlockHash parent{r.U64(), 0};
+          parent.hi = r.U64();
+          if (has_parent) rec.parent = parent;
+          rec.length = r.U64();
+          rec.checksum = r.U64();
+          const uint32_t np = r.U32();
+          for (uint32_t i = 0; i < np && r.ok; ++i) rec.pages.push_back(r.U32());
+          if (r.ok) live[rec.key] = std::move(rec);
+        } else if (type == kDel) {
+          ObjectKey k;
+          k.hash.lo = r.U64();
+          k.hash.hi = r.U64();
+          k.kind = static_cast<StateKind>(r.U8());
+          if (r.ok) live.erase(k);
+        }
+      }
+    }
+  }
+
+  // Data file.
+  s->data_fd_ = ::open(s->data_path_.c_str(), O_RDWR | O_CREAT | O_DIRECT | O_CLOEXEC, 0600);
+  if (s->data_fd_ < 0) {
+    if (errno == EINVAL) {
+      return absl::FailedPreconditionError(absl::StrCat("--nvme-dir=", dir,
+                                                        " does not support O_DIRECT (EINVAL)"));
+    }
+    return Errno("open", s->data_path_);
+  }
+  const off_t want = static_cast<off_t>(pages * page_bytes);
+  struct stat st{};
+  ::fstat(s->data_fd_, &st);
+  if (st.st_size < want) {
+    if (::fallocate(s->data_fd_, 0, 0, want) != 0 && ::ftruncate(s->data_fd_, want) != 0) {
+      return Errno("size", s->data_path_);
+    }
+  }
+
+  // Compacted journal: header + one ADD per live object.
+  std::string compact = HeaderRecord(page_bytes, pages);
+  recovered->clear();
+  for (auto& [key, rec] : live) {
+    compact += AddRecord(rec);
+    recovered->push_back(std::move(rec));
+  }
+  const std::string tmp = journal_path + ".tmp";
+  int tfd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (tfd < 0) return Errno("open", tmp);
+  absl::Status ws = WriteAll(tfd, compact, tmp);
+  ::fsync(tfd);
+  ::close(tfd);
+  RETURN_IF_ERROR(ws);
+  if (::rename(tmp.c_str(), journal_path.c_str()) != 0) return Errno("rename", tmp);
+  {
+    absl::MutexLock l(&s->journal_mu_);
+    s->journal_fd_ = ::open(journal_path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
+    if (s->journal_fd_ < 0) return Errno("open", journal_path);
+  }
+  ASSIGN_OR_RETURN(s->engine_, UringEngine::Create(s->data_fd_, queue_depth, fixed));
+  return s;
+}
+
+NvmeStore::~NvmeStore() {
+  engine_.reset();
+  if (data_fd_ >= 0) ::close(data_fd_);
+  absl::MutexLock l(&journal_mu_);
+  if (journal_fd_ >= 0) ::close(journal_fd_);
+}
+
+absl::Status NvmeStore::Transfer(bool write, std::span<const uint32_t> nvme_pages,
+                                 std::span<std::byte* const> memory) {
+  std::vector<IoOp> ops;
+  for (size_t i = 0; i < nvme_pages.size(); ++i) {
+    const uint64_t off = static_cast<uint64_t>(nvme_pages[i]) * page_bytes_;
+    if (!ops.empty()) {
+      IoOp& last = ops.back();
+      if (last.file_offset + last.bytes == off && last.buffer + last.bytes == memory[i] &&
+          last.bytes + page_bytes_ <= kMaxOpBytes) {
+        last.bytes += static_cast<uint32_t>(page_bytes_);
+        continue;
+      }
+    }
+    ops.push_back(IoOp{write, off, memory[i], static_cast<uint32_t>(page_bytes_)});
+  }
+  return engine_->Run(ops);
+}
+
+absl::Status NvmeStore::Append(const std::string& bytes) {
+  absl::MutexLock l(&journal_mu_);
+  return WriteAll(journal_fd_, bytes, "NVMe journal");
+}
+
+absl::Status NvmeStore::JournalAdd(std::span<const NvmeRecord> records) {
+  std::string out;
+  for (const auto& r : records) out += AddRecord(r);
+  return out.empty() ? absl::OkStatus() : Append(out);
+}
+
+absl::Status NvmeStore::JournalRemove(std::span<const ObjectKey> keys) {
+  std::string out;
+  for (const auto& k : keys) out += DelRecord(k);
+  return out.empty() ? absl::OkStatus() : Append(out);
+}
+
+}  // namespace kvpool::pool_node

@@ -1,0 +1,84 @@
+// NvmeStore: the NVMe tier's files under --nvme-dir.
+//
+//   kvpool-nvme.data     capacity_pages * page_bytes, opened O_DIRECT; page p lives at
+//                        offset p * page_bytes. Written and read through UringEngine.
+//   kvpool-nvme.journal  append-only index: a header (page_bytes, capacity_pages), then
+//                        ADD (key, parent, length, checksum, pages) and DEL (key)
+//                        records, each with an XXH3-64 of its bytes. Replayed at Open
+//                        (stopping at a torn tail) and rewritten compacted.
+//
+// The store knows nothing of leases or eviction: the tier (PoolCore) decides which pages
+// an object uses and writes an ADD only after the object's data write completed, so a
+// replayed ADD always names written pages. Checksums are verified by the reader.
+//
+// Durability: journal records reach the page cache before the call returns (a node
+// process that crashes or restarts recovers them); they are not fsync'ed per record.
+//
+// Thread safety: Transfer may run concurrently from many threads. Journal calls are
+// serialized by an internal mutex (callers may hold their own lock: the journal only
+// does buffered write(2), never an io_uring wait).
+#pragma once
+
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "kvpool/pool_node/types.h"
+#include "uring_engine.h"
+
+namespace kvpool::pool_node {
+
+struct NvmeRecord {
+  ObjectKey key;
+  std::optional<BlockHash> parent;
+  uint64_t length = 0;
+  uint64_t checksum = 0;
+  std::vector<uint32_t> pages;
+};
+
+class NvmeStore {
+ public:
+  // Opens (creating if needed) the files in `dir`; fills `recovered` with the objects
+  // the journal says the data file holds. `fixed`: memory to register with io_uring.
+  static absl::StatusOr<std::unique_ptr<NvmeStore>> Open(const std::string& dir,
+                                                         uint64_t capacity_bytes,
+                                                         uint64_t page_bytes,
+                                                         unsigned queue_depth,
+                                                         std::span<std::byte> fixed,
+                                                         std::vector<NvmeRecord>* recovered);
+  ~NvmeStore();
+
+  uint32_t num_pages() const { return num_pages_; }
+  uint64_t page_bytes() const { return page_bytes_; }
+  const std::string& data_path() const { return data_path_; }
+  bool registered_buffers() const { return engine_->registered_buffers(); }
+  unsigned queue_depth() const { return engine_->queue_depth(); }
+
+  // Moves whole pages between memory and the data file: nvme_pages[i] <-> memory[i]
+  // (each page_bytes long, 4096-aligned). Neighbouring pages coalesce into one op.
+  absl::Status Transfer(bool write, std::span<const uint32_t> nvme_pages,
+                        std::span<std::byte* const> memory);
+
+  absl::Status JournalAdd(std::span<const NvmeRecord> records);
+  absl::Status JournalRemove(std::span<const ObjectKey> keys);
+
+ private:
+  NvmeStore() = default;
+  absl::Status Append(const std::string& bytes);
+
+  uint64_t page_bytes_ = 0;
+  uint32_t num_pages_ = 0;
+  std::string data_path_;
+  int data_fd_ = -1;
+  std::unique_ptr<UringEngine> engine_;
+
+  absl::Mutex journal_mu_;
+  int journal_fd_ ABSL_GUARDED_BY(journal_mu_) = -1;
+};
+
+}  // namespace kvpool::pool_node

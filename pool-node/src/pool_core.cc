@@ -1,0 +1,596 @@
+#include "kvpool/pool_node/pool_core.h"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core_impl.h"
+#include "kvpool/common/status.h"
+#include "kvpool/common/units.h"
+#include "spdlog/spdlog.h"
+
+namespace kvpool::pool_node {
+namespace {
+
+constexpr int kD = static_cast<int>(Tier::kDram);
+constexpr int kN = static_cast<int>(Tier::kNvme);
+constexpr size_t kMaxBatch = 4096;
+constexpr uint64_t kMaxObjectBytes = 1ull << 32;
+
+class SystemClockImpl : public Clock {
+ public:
+  int64_t NowMs() const override {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(
+               std::chrono::system_clock::now().time_since_epoch())
+        .count();
+  }
+};
+
+}  // namespace
+
+Clock* SystemClock() {
+  static SystemClockImpl clock;
+  return &clock;
+}
+
+PoolCore::PoolCore(PoolOptions options) : options_(std::move(options)) {}
+
+absl::StatusOr<std::unique_ptr<PoolCore>> PoolCore::Create(PoolOptions options) {
+  const uint64_t pb = options.page_bytes;
+  if (pb < 4096 || pb > (64ull << 20) || (pb & (pb - 1)) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--page-bytes=", pb, " must be a power of two between 4096 and 64 MiB (O_DIRECT and "
+        "UCX registration work in whole 4 KiB pages); e.g. --page-bytes=65536"));
+  }
+  if (options.dram_bytes / pb == 0 || options.dram_bytes / pb > UINT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat("--dram=", options.dram_bytes, " holds ",
+                                                   options.dram_bytes / pb, " pages of ", pb,
+                                                   " bytes; give 1..2^32-1 pages"));
+  }
+  if (!options.nvme_dir.empty() && options.nvme_bytes < pb) {
+    return absl::InvalidArgumentError(absl::StrCat("--nvme=", options.nvme_bytes,
+                                                   " is smaller than one page (--page-bytes=", pb,
+                                                   "); give --nvme a size or drop --nvme-dir"));
+  }
+  if (options.nvme_dir.empty() && options.nvme_bytes > 0) {
+    return absl::InvalidArgumentError("--nvme given without --nvme-dir; set --nvme-dir=DIR");
+  }
+  if (!(options.demote_low_watermark > 0 && options.demote_low_watermark < options.demote_high_watermark &&
+        options.demote_high_watermark <= 1.0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "demotion watermarks low=", options.demote_low_watermark, " high=",
+        options.demote_high_watermark, " must satisfy 0 < low < high <= 1"));
+  }
+  if (options.io_queue_depth < 32) {
+    return absl::InvalidArgumentError(absl::StrCat("io_queue_depth=", options.io_queue_depth,
+                                                   " is below 32; NVMe needs deep queues"));
+  }
+  std::unique_ptr<PoolCore> core(new PoolCore(std::move(options)));
+  const PoolOptions& o = core->options_;
+  core->page_bytes_ = pb;
+  core->dram_pages_ = static_cast<uint32_t>(o.dram_bytes / pb);
+  if (o.arena_memory != nullptr) {
+    if (reinterpret_cast<uintptr_t>(o.arena_memory) % 4096 != 0) {
+      return absl::InvalidArgumentError("arena_memory must be 4096-aligned");
+    }
+    core->arena_ = o.arena_memory;
+  } else {
+    void* mem = mmap(nullptr, core->arena_bytes(), PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (mem == MAP_FAILED) {
+      return absl::ResourceExhaustedError(absl::StrCat("cannot map --dram=", core->arena_bytes(),
+                                                       " bytes: ", std::strerror(errno)));
+    }
+    madvise(mem, core->arena_bytes(), MADV_HUGEPAGE);
+    core->arena_ = static_cast<std::byte*>(mem);
+    core->owns_arena_ = true;
+  }
+  core->impl_ = std::make_unique<Impl>(core.get(), core->options_);
+  Impl& im = *core->impl_;
+  std::vector<NvmeRecord> recovered;
+  if (!o.nvme_dir.empty()) {
+    ASSIGN_OR_RETURN(im.nvme_, NvmeStore::Open(o.nvme_dir, o.nvme_bytes, pb, o.io_queue_depth,
+                                               {core->arena_, core->arena_bytes()}, &recovered));
+  }
+  {
+    absl::MutexLock l(&im.mu_);
+    im.alloc_[kD] = std::make_unique<PageAllocator>(core->dram_pages_);
+    im.alloc_[kN] = std::make_unique<PageAllocator>(im.nvme_ ? im.nvme_->num_pages() : 0);
+    size_t bad = 0;
+    for (NvmeRecord& r : recovered) {
+      if (r.pages.size() != im.PagesFor(r.length) || im.Find(r.key) != nullptr ||
+          !im.alloc_[kN]->MarkUsed(r.pages)) {
+        ++bad;
+        continue;
+      }
+      auto obj = std::make_unique<Object>();
+      obj->key = r.key;
+      obj->parent = r.parent;
+      obj->length = r.length;
+      obj->checksum = r.checksum;
+      Object* p = im.Insert(std::move(obj));
+      im.AddCopy(*p, kN, std::move(r.pages));
+    }
+    if (!recovered.empty()) {
+      spdlog::info("NVMe tier: recovered {} objects from the journal in {} ({} inconsistent records dropped)",
+                   recovered.size() - bad, o.nvme_dir, bad);
+    }
+  }
+  if (o.background) im.bg_ = std::thread([p = &im] { p->BackgroundLoop(); });
+  return core;
+}
+
+PoolCore::~PoolCore() {
+  if (impl_) {
+    {
+      absl::MutexLock l(&impl_->bg_mu_);
+      impl_->stop_ = true;
+    }
+    if (impl_->bg_.joinable()) impl_->bg_.join();
+    impl_.reset();
+  }
+  if (owns_arena_) munmap(arena_, arena_bytes());
+}
+
+uint32_t PoolCore::nvme_pages() const { return impl_->nvme_ ? impl_->nvme_->num_pages() : 0; }
+std::string PoolCore::nvme_data_path() const { return impl_->nvme_ ? impl_->nvme_->data_path() : ""; }
+
+void PoolCore::CopyToRun(const PageRunDesc& run, std::span<const std::byte> bytes) const {
+  uint64_t off = 0;
+  for (uint32_t p : run.pages) {
+    const uint64_t n = std::min<uint64_t>(page_bytes_, bytes.size() - off);
+    std::memcpy(arena_ + uint64_t{p} * page_bytes_, bytes.data() + off, n);
+    off += n;
+  }
+}
+
+void PoolCore::CopyFromRun(const PageRunDesc& run, std::span<std::byte> bytes) const {
+  uint64_t off = 0;
+  for (uint32_t p : run.pages) {
+    const uint64_t n = std::min<uint64_t>(page_bytes_, bytes.size() - off);
+    std::memcpy(bytes.data() + off, arena_ + uint64_t{p} * page_bytes_, n);
+    off += n;
+  }
+}
+
+uint64_t PoolCore::RunChecksum(const PageRunDesc& run) const {
+  return impl_->Checksum(run.pages, run.length);
+}
+
+absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> entries) {
+  if (entries.empty() || entries.size() > kMaxBatch) {
+    return absl::InvalidArgumentError(absl::StrCat("entries: ", entries.size(),
+                                                   " given; send 1..4096 per Reserve"));
+  }
+  absl::flat_hash_set<BlockHash> seen;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const auto& e = entries[i];
+    if (e.length == 0 || e.length > kMaxObjectBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("entries[", i, "].length=", e.length,
+                                                     " must be 1..2^32 bytes"));
+    }
+    if (!seen.insert(e.hash).second) {
+      return absl::InvalidArgumentError(absl::StrCat("entries[", i, "].block_hash ",
+                                                     e.hash.ToHex(),
+                                                     " appears twice; reserve each block once"));
+    }
+  }
+  Impl& im = *impl_;
+  absl::MutexLock l(&im.mu_);
+  const int64_t now = im.clock_->NowMs();
+  im.ExpireLocked(now);
+  ReservationState rs;
+  rs.expires_ms = now + options_.reserve_timeout_ms;
+  uint64_t need = 0;
+  uint64_t need_kind[kNumKinds] = {0, 0};
+  for (const auto& e : entries) {
+    ReservedEntry re;
+    re.spec = e;
+    if (Object* o = im.Find(ObjectKey{e.hash, e.kind})) {
+      re.already_present = true;
+      im.Touch(*o);
+    } else {
+      need += im.PagesFor(e.length);
+      need_kind[KindIndex(e.kind)] += im.PagesFor(e.length);
+    }
+    rs.entries.push_back(std::move(re));
+  }
+  for (int k = 0; k < kNumKinds; ++k) {
+    const uint64_t quota = options_.dram_quota_bytes[k] / page_bytes_;
+    if (options_.dram_quota_bytes[k] == 0 || need_kind[k] == 0) continue;
+    const uint64_t reserved = im.reserved_by_kind_[k];
+    if (need_kind[k] + reserved > quota ||
+        !im.EvictKind(static_cast<StateKind>(k), quota - need_kind[k] - reserved)) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the DRAM quota for ", StateKindName(static_cast<StateKind>(k)), " (",
+          options_.dram_quota_bytes[k], " bytes) cannot fit ", need_kind[k] * page_bytes_,
+          " more bytes after evicting every unleased object of that kind; retry later or raise the quota"));
+    }
+  }
+  if (need > im.alloc_[kD]->free_pages() && !im.Evict(kD, need)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "Reserve needs ", need, " pages (", need * page_bytes_, " bytes) but the DRAM tier has ",
+        im.alloc_[kD]->free_pages(), " of ", dram_pages_,
+        " pages free after evicting every unleased object; retry later, release leases or add --dram"));
+  }
+  Reservation out;
+  out.id = im.next_id_++;
+  out.expires_unix_ms = rs.expires_ms;
+  for (ReservedEntry& re : rs.entries) {
+    ReserveSlot slot;
+    slot.hash = re.spec.hash;
+    slot.already_present = re.already_present;
+    if (!re.already_present) {
+      auto pages = im.alloc_[kD]->Allocate(static_cast<uint32_t>(im.PagesFor(re.spec.length)));
+      re.pages = std::move(*pages);  // fits: checked above
+      im.reserved_by_kind_[KindIndex(re.spec.kind)] += re.pages.size();
+      slot.run = PageRunDesc{re.pages, re.spec.length};
+    }
+    out.slots.push_back(std::move(slot));
+  }
+  im.reservations_.emplace(out.id, std::move(rs));
+  return out;
+}
+
+absl::StatusOr<std::vector<CommitOutcome>> PoolCore::Commit(uint64_t reservation_id,
+                                                            std::span<const CommitEntrySpec> entries) {
+  if (entries.size() > kMaxBatch) {
+    return absl::InvalidArgumentError(absl::StrCat("entries: ", entries.size(), " given; at most 4096"));
+  }
+  Impl& im = *impl_;
+  // Phase 1: claim the reservation so expiry leaves it alone while we checksum.
+  std::vector<ReservedEntry> snapshot;
+  {
+    absl::MutexLock l(&im.mu_);
+    im.ExpireLocked(im.clock_->NowMs());
+    auto it = im.reservations_.find(reservation_id);
+    if (it == im.reservations_.end()) {
+      return absl::NotFoundError(absl::StrCat(
+          "reservation_id=", reservation_id, " is unknown: it was committed already or reclaimed after ",
+          options_.reserve_timeout_ms, " ms; Reserve again"));
+    }
+    if (it->second.committing) {
+      return absl::FailedPreconditionError(absl::StrCat("reservation_id=", reservation_id,
+                                                        " is being committed by another call"));
+    }
+    it->second.committing = true;
+    snapshot = it->second.entries;
+  }
+  // Phase 2: checksums of the written bytes, without the lock (pages owned by us).
+  std::vector<CommitOutcome> out(entries.size());
+  std::vector<int> slot_of(entries.size(), -1);
+  std::vector<uint64_t> actual(entries.size(), 0);
+  for (size_t i = 0; i < entries.size(); ++i) {
+    out[i].hash = entries[i].hash;
+    for (size_t j = 0; j < snapshot.size(); ++j) {
+      if (snapshot[j].spec.hash == entries[i].hash && !snapshot[j].consumed) {
+        slot_of[i] = static_cast<int>(j);
+        snapshot[j].consumed = true;
+        break;
+      }
+    }
+    if (slot_of[i] >= 0 && !snapshot[slot_of[i]].already_present) {
+      actual[i] = im.Checksum(snapshot[slot_of[i]].pages, snapshot[slot_of[i]].spec.length);
+    }
+  }
+  // Phase 3: publish.
+  absl::MutexLock l(&im.mu_);
+  auto it = im.reservations_.find(reservation_id);
+  ReservationState& rs = it->second;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    if (slot_of[i] < 0) {
+      out[i].status = absl::InvalidArgumentError(absl::StrCat(
+          "entries[", i, "].block_hash ", entries[i].hash.ToHex(),
+          " was not reserved in reservation ", reservation_id, " (or is named twice)"));
+      continue;
+    }
+    ReservedEntry& re = rs.entries[slot_of[i]];
+    re.consumed = true;
+    if (re.already_present) continue;
+    const ObjectKey key{re.spec.hash, re.spec.kind};
+    if (actual[i] != entries[i].checksum) {
+      out[i].status = absl::DataLossError(absl::StrFormat(
+          "entries[%d] block %s: checksum %016x does not match the %d bytes written (%016x); "
+          "its pages were freed, Reserve and write it again",
+          i, re.spec.hash.ToHex(), entries[i].checksum, re.spec.length, actual[i]));
+      ++im.checksum_failures_;
+      continue;  // pages freed with the reservation below
+    }
+    if (Object* existing = im.Find(key)) {  // committed meanwhile by another client
+      im.Touch(*existing);
+      continue;
+    }
+    auto obj = std::make_unique<Object>();
+    obj->key = key;
+    obj->parent = re.spec.parent;
+    obj->length = re.spec.length;
+    obj->checksum = actual[i];
+    Object* p = im.Insert(std::move(obj));
+    im.reserved_by_kind_[KindIndex(key.kind)] -= re.pages.size();
+    im.AddCopy(*p, kD, std::move(re.pages));
+    re.pages.clear();
+  }
+  im.FreeReservation(rs);
+  im.reservations_.erase(it);
+  return out;
+}
+
+absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
+  if (spec.hashes.empty() || spec.hashes.size() > kMaxBatch) {
+    return absl::InvalidArgumentError(absl::StrCat("block_hashes: ", spec.hashes.size(),
+                                                   " given; send 1..4096 per Lookup"));
+  }
+  if (spec.lease_ms > options_.max_lease_ms) {
+    return absl::InvalidArgumentError(absl::StrCat("lease_ms=", spec.lease_ms, " exceeds ",
+                                                   options_.max_lease_ms, "; ask for less"));
+  }
+  Impl& im = *impl_;
+  struct Promo {
+    ObjectKey key;
+    std::vector<uint32_t> nvme_pages;
+    std::vector<uint32_t> dram_pages;
+    std::shared_ptr<absl::Notification> done;
+  };
+  std::vector<ObjectKey> pinned;
+  std::vector<Promo> promos;
+  std::vector<std::shared_ptr<absl::Notification>> waits;
+  auto visible = [&](const Object* o) { return o != nullptr && im.Visible(*o); };
+  {
+    absl::MutexLock l(&im.mu_);
+    im.ExpireLocked(im.clock_->NowMs());
+    for (const BlockHash& h : spec.hashes) {
+      const ObjectKey key{h, spec.kind};
+      Object* o = im.Find(key);
+      if (!visible(o)) {
+        if (spec.allow_gaps) continue;
+        break;
+      }
+      if (o->copy[kD]) {
+        ++o->pins;
+        pinned.push_back(key);
+      } else if (o->promotion != nullptr) {
+        waits.push_back(o->promotion);
+      } else if (!o->nvme_busy) {
+        const uint64_t n = o->pages[kN].size();
+        std::optional<std::vector<uint32_t>> pages;
+        if (im.alloc_[kD]->free_pages() >= n || im.Evict(kD, n)) {
+          pages = im.alloc_[kD]->Allocate(static_cast<uint32_t>(n));
+        }
+        o = im.Find(key);  // eviction never takes NVMe-only objects' only copy, but re-find
+        if (!pages || o == nullptr) {
+          if (pages) im.alloc_[kD]->Free(*pages);
+          if (spec.allow_gaps) continue;
+          break;
+        }
+        o->nvme_busy = true;
+        o->promotion = std::make_shared<absl::Notification>();
+        promos.push_back(Promo{key, o->pages[kN], std::move(*pages), o->promotion});
+      }
+    }
+  }
+  // Promotions: read NVMe -> DRAM and verify, without the lock.
+  std::vector<absl::Status> results(promos.size());
+  if (!promos.empty()) {
+    std::vector<uint32_t> nvme_pages;
+    std::vector<std::byte*> memory;
+    for (const Promo& p : promos) {
+      nvme_pages.insert(nvme_pages.end(), p.nvme_pages.begin(), p.nvme_pages.end());
+      auto a = im.Addresses(p.dram_pages);
+      memory.insert(memory.end(), a.begin(), a.end());
+    }
+    absl::Status io = im.nvme_->Transfer(/*write=*/false, nvme_pages, memory);
+    for (size_t i = 0; i < promos.size(); ++i) results[i] = io;
+    if (io.ok()) {
+      std::vector<std::pair<uint64_t, uint64_t>> lens;  // (length, expected checksum)
+      {
+        absl::MutexLock l(&im.mu_);
+        for (const Promo& p : promos) {
+          const Object* o = im.Find(p.key);  // nvme_busy keeps it present
+          lens.emplace_back(o->length, o->checksum);
+        }
+      }
+      for (size_t i = 0; i < promos.size(); ++i) {
+        const uint64_t got = im.Checksum(promos[i].dram_pages, lens[i].first);
+        if (got != lens[i].second) {
+          results[i] = absl::DataLossError(absl::StrFormat(
+              "NVMe copy of %s failed its checksum (%016x, expected %016x)",
+              promos[i].key.hash.ToHex(), got, lens[i].second));
+        }
+      }
+    }
+    absl::MutexLock l(&im.mu_);
+    for (size_t i = 0; i < promos.size(); ++i) {
+      Promo& p = promos[i];
+      Object* o = im.Find(p.key);  // nvme_busy kept its NVMe copy, so it still exists
+      o->nvme_busy = false;
+      o->promotion.reset();
+      if (results[i].ok()) {
+        im.AddCopy(*o, kD, std::move(p.dram_pages));
+        ++im.promotions_;
+        ++o->pins;
+        pinned.push_back(p.key);
+      } else {
+        im.alloc_[kD]->Free(p.dram_pages);
+        ++im.checksum_failures_;
+        spdlog::error("dropping {}: {}", p.key.hash.ToHex(), std::string(results[i].message()));
+        im.DropCopy(*o, kN);
+      }
+      p.done->Notify();
+    }
+  }
+  for (auto& w : waits) w->WaitForNotification();
+  // Final answer: the prefix (or hits) now in DRAM, under one lease.
+  LookupAnswer ans;
+  absl::MutexLock l(&im.mu_);
+  const int64_t now = im.clock_->NowMs();
+  LeaseState lease;
+  lease.expires_ms = now + (spec.lease_ms ? spec.lease_ms : options_.default_lease_ms);
+  bool in_prefix = true;
+  for (const BlockHash& h : spec.hashes) {
+    const ObjectKey key{h, spec.kind};
+    Object* o = im.Find(key);
+    if (!visible(o) || !o->copy[kD]) {
+      in_prefix = false;
+      if (spec.allow_gaps) continue;
+      break;
+    }
+    if (in_prefix) ++ans.prefix_blocks;
+    ++o->leases;
+    im.Touch(*o);
+    lease.keys.push_back(key);
+    const bool promoted = std::any_of(promos.begin(), promos.end(),
+                                      [&](const Promo& p) { return p.key == key; });
+    ans.objects.push_back(ObjectDesc{key, promoted ? Tier::kNvme : Tier::kDram,
+                                     PageRunDesc{o->pages[kD], o->length}, o->checksum});
+  }
+  for (const ObjectKey& k : pinned) {
+    if (Object* o = im.Find(k)) --o->pins;
+  }
+  if (!lease.keys.empty()) {
+    ans.lease_id = im.next_id_++;
+    ans.lease_expires_unix_ms = lease.expires_ms;
+    im.lease_expiry_.emplace(lease.expires_ms, ans.lease_id);
+    im.leases_.emplace(ans.lease_id, std::move(lease));
+  }
+  return ans;
+}
+
+absl::Status PoolCore::Release(uint64_t lease_id) {
+  Impl& im = *impl_;
+  absl::MutexLock l(&im.mu_);
+  im.ExpireLocked(im.clock_->NowMs());
+  if (!im.leases_.contains(lease_id)) {
+    return absl::NotFoundError(absl::StrCat("lease_id=", lease_id,
+                                            " is unknown: it expired or was released already"));
+  }
+  im.EndLease(lease_id);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> PoolCore::ReadObject(uint64_t lease_id, const ObjectKey& key) {
+  Impl& im = *impl_;
+  absl::MutexLock l(&im.mu_);
+  im.ExpireLocked(im.clock_->NowMs());
+  auto it = im.leases_.find(lease_id);
+  if (it == im.leases_.end()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "lease_id=", lease_id, " expired or was released; its pages may hold other objects now. "
+        "Lookup again"));
+  }
+  if (std::find(it->second.keys.begin(), it->second.keys.end(), key) == it->second.keys.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("block ", key.hash.ToHex(), " is not under lease ", lease_id));
+  }
+  const Object* o = im.Find(key);
+  std::string out(o->length, '\0');
+  CopyFromRun(PageRunDesc{o->pages[kD], o->length},
+              {reinterpret_cast<std::byte*>(out.data()), out.size()});
+  return out;
+}
+
+void PoolCore::RunMaintenance() {
+  Impl& im = *impl_;
+  uint64_t used, high, low;
+  {
+    absl::MutexLock l(&im.mu_);
+    im.ExpireLocked(im.clock_->NowMs());
+    used = im.alloc_[kD]->used_pages();
+    high = static_cast<uint64_t>(options_.demote_high_watermark * dram_pages_);
+    low = static_cast<uint64_t>(options_.demote_low_watermark * dram_pages_);
+  }
+  if (im.nvme_ == nullptr || used <= high) return;
+  for (int round = 0; round < 1024; ++round) {
+    if (im.DemoteBatch(64, low) == 0) break;
+  }
+}
+
+size_t PoolCore::Demote(size_t max_objects) {
+  size_t total = 0;
+  while (total < max_objects) {
+    const size_t n = impl_->DemoteBatch(std::min<size_t>(64, max_objects - total), 0);
+    if (n == 0) break;
+    total += n;
+  }
+  return total;
+}
+
+PoolStatsSnapshot PoolCore::Stats() const {
+  Impl& im = *impl_;
+  absl::MutexLock l(&im.mu_);
+  PoolStatsSnapshot s;
+  s.node_id = options_.node_id;
+  s.has_nvme = im.nvme_ != nullptr;
+  for (int t = 0; t < kNumTiers; ++t) {
+    auto& ts = s.tiers[t];
+    ts.capacity_bytes = uint64_t{im.alloc_[t]->num_pages()} * page_bytes_;
+    ts.objects = im.objects_in_[t];
+    ts.evictions = im.evictions_[t];
+    for (int k = 0; k < kNumKinds; ++k) {
+      ts.bytes_by_kind[k] = im.used_by_kind_[t][k] * page_bytes_;
+      ts.used_bytes += ts.bytes_by_kind[k];
+    }
+  }
+  for (int k = 0; k < kNumKinds; ++k) s.reserved_bytes += im.reserved_by_kind_[k] * page_bytes_;
+  s.active_leases = im.leases_.size();
+  s.pending_reservations = im.reservations_.size();
+  s.checksum_failures = im.checksum_failures_;
+  s.demotions = im.demotions_;
+  s.promotions = im.promotions_;
+  s.reclaimed_reservations = im.reclaimed_;
+  s.expired_leases = im.expired_leases_;
+  return s;
+}
+
+std::optional<ObjectInfo> PoolCore::Inspect(const ObjectKey& key) const {
+  Impl& im = *impl_;
+  absl::MutexLock l(&im.mu_);
+  const Object* o = im.Find(key);
+  if (o == nullptr) return std::nullopt;
+  return ObjectInfo{o->copy[kD], o->copy[kN], o->pages[kD], o->pages[kN], o->leases,
+                    im.Visible(*o), o->length, o->checksum};
+}
+
+void PoolCore::ForEachVisible(
+    const std::function<void(const ObjectKey&, const std::optional<BlockHash>&, Tier)>& fn) const {
+  Impl& im = *impl_;
+  absl::MutexLock l(&im.mu_);
+  for (const auto& [key, o] : im.objects_) {
+    if (!im.Visible(*o)) continue;
+    for (int t = 0; t < kNumTiers; ++t) {
+      if (o->copy[t]) fn(key, o->parent, static_cast<Tier>(t));
+    }
+  }
+}
+
+std::string PoolCore::DescribeConfig() const {
+  std::string s = absl::StrCat("kvpool-node ", options_.node_id, "\n");
+  absl::StrAppend(&s, "  page bytes   ", page_bytes_, "\n");
+  absl::StrAppend(&s, "  DRAM tier    ", dram_pages_, " pages = ", arena_bytes(), " bytes (",
+                  FormatBytes(static_cast<double>(arena_bytes())), ")\n");
+  if (impl_->nvme_) {
+    const uint64_t nb = uint64_t{impl_->nvme_->num_pages()} * page_bytes_;
+    absl::StrAppend(&s, "  NVMe tier    ", impl_->nvme_->num_pages(), " pages = ", nb, " bytes (",
+                    FormatBytes(static_cast<double>(nb)), ") in ", options_.nvme_dir,
+                    " (O_DIRECT, io_uring QD ", impl_->nvme_->queue_depth(),
+                    impl_->nvme_->registered_buffers() ? ", registered buffers" : ", unregistered buffers",
+                    ")\n");
+  } else {
+    absl::StrAppend(&s, "  NVMe tier    none (no --nvme-dir)\n");
+  }
+  absl::StrAppend(&s, "  demotion     above ", options_.demote_high_watermark * 100, "% down to ",
+                  options_.demote_low_watermark * 100, "% of DRAM\n");
+  absl::StrAppend(&s, "  leases       default ", options_.default_lease_ms, " ms; reserves expire after ",
+                  options_.reserve_timeout_ms, " ms\n");
+  for (int k = 0; k < kNumKinds; ++k) {
+    if (options_.dram_quota_bytes[k] != 0) {
+      absl::StrAppend(&s, "  DRAM quota   ", StateKindName(static_cast<StateKind>(k)), " ",
+                      options_.dram_quota_bytes[k], " bytes\n");
+    }
+  }
+  return s;
+}
+
+}  // namespace kvpool::pool_node

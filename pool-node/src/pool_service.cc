@@ -1,0 +1,199 @@
+#include "pool_service.h"
+
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "kvpool/common/status.h"
+#include "kvpool/proto/grpc_status.h"
+
+namespace kvpool::pool_node {
+
+v1::StateKind ToProto(StateKind k) {
+  return k == StateKind::kAttnKv ? v1::STATE_KIND_ATTN_KV : v1::STATE_KIND_LINEAR_STATE;
+}
+v1::Tier ToProto(Tier t) { return t == Tier::kDram ? v1::TIER_DRAM : v1::TIER_NVME; }
+
+absl::StatusOr<StateKind> FromProto(v1::StateKind k, absl::string_view field) {
+  switch (k) {
+    case v1::STATE_KIND_ATTN_KV: return StateKind::kAttnKv;
+    case v1::STATE_KIND_LINEAR_STATE: return StateKind::kLinearState;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, "=", static_cast<int>(k), " is not a state kind; set STATE_KIND_ATTN_KV or STATE_KIND_LINEAR_STATE"));
+  }
+}
+
+void FillStats(const PoolStatsSnapshot& s, v1::PoolStats* out) {
+  out->set_node_id(s.node_id);
+  for (int t = 0; t < (s.has_nvme ? kNumTiers : 1); ++t) {
+    const auto& ts = s.tiers[t];
+    v1::TierStats* p = out->add_tiers();
+    p->set_tier(ToProto(static_cast<Tier>(t)));
+    p->set_capacity_bytes(ts.capacity_bytes);
+    p->set_used_bytes(ts.used_bytes);
+    p->set_objects(ts.objects);
+    p->set_evictions(ts.evictions);
+    for (int k = 0; k < kNumKinds; ++k) {
+      (*p->mutable_bytes_by_kind())[std::string(StateKindName(static_cast<StateKind>(k)))] = ts.bytes_by_kind[k];
+    }
+  }
+  out->set_active_leases(s.active_leases);
+  out->set_pending_reservations(s.pending_reservations);
+  out->set_checksum_failures(s.checksum_failures);
+  out->set_demotions(s.demotions);
+  out->set_promotions(s.promotions);
+  out->set_reclaimed_reservations(s.reclaimed_reservations);
+  out->set_expired_leases(s.expired_leases);
+  out->set_reserved_bytes(s.reserved_bytes);
+}
+
+PoolNodeService::PoolNodeService(PoolCore* core, ConnectInfo info, MetricsRegistry* metrics)
+    : core_(core), info_(std::move(info)), metrics_(metrics) {
+  lookup_seconds_ = &metrics_->GetHistogram("kvpool_pool_lookup_seconds", "Lookup handling time",
+                                            Histogram::ExponentialBounds(1e-5, 2, 20));
+}
+
+grpc::Status PoolNodeService::Done(absl::string_view method, const absl::Status& s) {
+  metrics_
+      ->GetCounter("kvpool_pool_rpcs_total", "PoolNode RPCs by method and code",
+                   {{"method", std::string(method)}, {"code", absl::StatusCodeToString(s.code())}})
+      .Increment();
+  return ToGrpcStatus(s);
+}
+
+grpc::Status PoolNodeService::Connect(grpc::ServerContext*, const v1::ConnectRequest* req,
+                                      v1::ConnectResponse* resp) {
+  if (req->client_id().empty() || req->client_id().size() > 128) {
+    return Done("Connect", absl::InvalidArgumentError(absl::StrCat(
+                               "client_id is ", req->client_id().size(), " bytes; give 1..128")));
+  }
+  if (req->ucx_worker_address().size() > (64u << 10)) {
+    return Done("Connect", absl::InvalidArgumentError("ucx_worker_address exceeds 64 KiB"));
+  }
+  resp->set_node_id(info_.node_id);
+  resp->set_ucx_worker_address(info_.ucx_worker_address);
+  resp->set_arena_rkey(info_.arena_rkey);
+  resp->set_arena_descriptor(info_.arena_descriptor);
+  resp->set_arena_base(info_.arena_base);
+  resp->set_page_bytes(core_->page_bytes());
+  resp->set_num_pages(core_->dram_pages());
+  return Done("Connect", absl::OkStatus());
+}
+
+namespace {
+absl::Status ParseHashes(const google::protobuf::RepeatedPtrField<std::string>& in,
+                         std::vector<BlockHash>* out) {
+  out->reserve(in.size());
+  for (int i = 0; i < in.size(); ++i) {
+    ASSIGN_OR_RETURN(BlockHash h, BlockHash::FromBytes(in[i], absl::StrCat("block_hashes[", i, "]")));
+    out->push_back(h);
+  }
+  return absl::OkStatus();
+}
+
+void FillRun(const PageRunDesc& run, v1::PageRun* out) {
+  out->mutable_pages()->Reserve(run.pages.size());
+  for (uint32_t p : run.pages) out->add_pages(p);
+  out->set_length(run.length);
+}
+}  // namespace
+
+grpc::Status PoolNodeService::Lookup(grpc::ServerContext*, const v1::LookupRequest* req,
+                                     v1::LookupResponse* resp) {
+  const auto start = std::chrono::steady_clock::now();
+  LookupSpec spec;
+  absl::Status s = ParseHashes(req->block_hashes(), &spec.hashes);
+  if (s.ok()) {
+    auto kind = FromProto(req->kind(), "kind");
+    if (!kind.ok()) s = kind.status();
+    else spec.kind = *kind;
+  }
+  if (!s.ok()) return Done("Lookup", s);
+  spec.lease_ms = req->lease_ms();
+  spec.allow_gaps = req->allow_gaps();
+  auto ans = core_->Lookup(spec);
+  if (!ans.ok()) return Done("Lookup", ans.status());
+  resp->set_prefix_blocks(ans->prefix_blocks);
+  resp->set_lease_id(ans->lease_id);
+  resp->set_lease_expires_unix_ms(ans->lease_expires_unix_ms);
+  resp->mutable_objects()->Reserve(ans->objects.size());
+  for (const ObjectDesc& d : ans->objects) {
+    v1::ObjectDescriptor* o = resp->add_objects();
+    o->set_block_hash(d.key.hash.ToBytes());
+    o->set_kind(ToProto(d.key.kind));
+    o->set_found_in(ToProto(d.found_in));
+    FillRun(d.run, o->mutable_run());
+    o->set_checksum(d.checksum);
+  }
+  lookup_seconds_->Observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  return Done("Lookup", absl::OkStatus());
+}
+
+grpc::Status PoolNodeService::Reserve(grpc::ServerContext*, const v1::ReserveRequest* req,
+                                      v1::ReserveResponse* resp) {
+  std::vector<ReserveEntrySpec> entries;
+  entries.reserve(req->entries_size());
+  for (int i = 0; i < req->entries_size(); ++i) {
+    const v1::ReserveEntry& e = req->entries(i);
+    ReserveEntrySpec spec;
+    auto h = BlockHash::FromBytes(e.block_hash(), absl::StrCat("entries[", i, "].block_hash"));
+    if (!h.ok()) return Done("Reserve", h.status());
+    spec.hash = *h;
+    if (!e.parent_hash().empty()) {
+      auto p = BlockHash::FromBytes(e.parent_hash(), absl::StrCat("entries[", i, "].parent_hash"));
+      if (!p.ok()) return Done("Reserve", p.status());
+      spec.parent = *p;
+    }
+    auto kind = FromProto(e.kind(), absl::StrCat("entries[", i, "].kind"));
+    if (!kind.ok()) return Done("Reserve", kind.status());
+    spec.kind = *kind;
+    spec.length = e.length();
+    entries.push_back(spec);
+  }
+  auto r = core_->Reserve(entries);
+  if (!r.ok()) return Done("Reserve", r.status());
+  resp->set_reservation_id(r->id);
+  resp->set_expires_unix_ms(r->expires_unix_ms);
+  for (const ReserveSlot& slot : r->slots) {
+    v1::ReserveResult* o = resp->add_results();
+    o->set_block_hash(slot.hash.ToBytes());
+    o->set_already_present(slot.already_present);
+    if (!slot.already_present) FillRun(slot.run, o->mutable_run());
+  }
+  return Done("Reserve", absl::OkStatus());
+}
+
+grpc::Status PoolNodeService::Commit(grpc::ServerContext*, const v1::CommitRequest* req,
+                                     v1::CommitResponse* resp) {
+  std::vector<CommitEntrySpec> entries;
+  for (int i = 0; i < req->entries_size(); ++i) {
+    auto h = BlockHash::FromBytes(req->entries(i).block_hash(), absl::StrCat("entries[", i, "].block_hash"));
+    if (!h.ok()) return Done("Commit", h.status());
+    entries.push_back({*h, req->entries(i).checksum()});
+  }
+  auto out = core_->Commit(req->reservation_id(), entries);
+  if (!out.ok()) return Done("Commit", out.status());
+  for (const CommitOutcome& o : *out) {
+    v1::CommitResult* r = resp->add_results();
+    r->set_block_hash(o.hash.ToBytes());
+    r->set_code(static_cast<int32_t>(o.status.code()));
+    r->set_message(std::string(o.status.message()));
+  }
+  return Done("Commit", absl::OkStatus());
+}
+
+grpc::Status PoolNodeService::Release(grpc::ServerContext*, const v1::ReleaseRequest* req,
+                                      v1::ReleaseResponse*) {
+  if (req->lease_id() == 0) {
+    return Done("Release", absl::InvalidArgumentError("lease_id=0 names no lease; pass LookupResponse.lease_id"));
+  }
+  return Done("Release", core_->Release(req->lease_id()));
+}
+
+grpc::Status PoolNodeService::GetStats(grpc::ServerContext*, const v1::GetPoolStatsRequest*,
+                                       v1::PoolStats* resp) {
+  FillStats(core_->Stats(), resp);
+  return Done("GetStats", absl::OkStatus());
+}
+
+}  // namespace kvpool::pool_node

@@ -1,0 +1,180 @@
+#include "uring_engine.h"
+
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+
+namespace kvpool::pool_node {
+
+struct UringEngine::Batch {
+  absl::Mutex mu;
+  size_t remaining ABSL_GUARDED_BY(mu) = 0;
+  absl::Status status ABSL_GUARDED_BY(mu);
+  absl::Notification done;
+};
+
+namespace {
+constexpr uint64_t kWakeTag = 1;  // user_data of the eventfd poll; ops carry pointers
+constexpr uint64_t kMaxFixedChunk = 1ull << 30;
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<UringEngine>> UringEngine::Create(int fd, unsigned queue_depth,
+                                                                 std::span<std::byte> fixed) {
+  std::unique_ptr<UringEngine> e(new UringEngine());
+  e->fd_ = fd;
+  e->queue_depth_ = queue_depth;
+  // Room for queue_depth ops plus the wake-up poll.
+  int rc = io_uring_queue_init(queue_depth + 1, &e->ring_, 0);
+  if (rc < 0) {
+    return absl::UnavailableError(absl::StrCat("io_uring_queue_init(", queue_depth,
+                                               ") failed: ", std::strerror(-rc),
+                                               "; the NVMe tier needs io_uring"));
+  }
+  e->event_fd_ = eventfd(0, EFD_CLOEXEC);
+  if (e->event_fd_ < 0) {
+    io_uring_queue_exit(&e->ring_);
+    return absl::InternalError(absl::StrCat("eventfd: ", std::strerror(errno)));
+  }
+  std::vector<iovec> iovs;
+  for (uint64_t off = 0; off < fixed.size(); off += kMaxFixedChunk) {
+    const uint64_t len = std::min<uint64_t>(kMaxFixedChunk, fixed.size() - off);
+    iovs.push_back({fixed.data() + off, len});
+    e->fixed_.emplace_back(fixed.data() + off, len);
+  }
+  if (!iovs.empty()) {
+    rc = io_uring_register_buffers(&e->ring_, iovs.data(), iovs.size());
+    // Without registration (e.g. RLIMIT_MEMLOCK too low) plain READ/WRITE still work.
+    e->registered_ = rc == 0;
+    if (!e->registered_) e->fixed_.clear();
+  }
+  e->thread_ = std::thread([p = e.get()] { p->Loop(); });
+  return e;
+}
+
+UringEngine::~UringEngine() {
+  {
+    absl::MutexLock l(&mu_);
+    stop_ = true;
+  }
+  uint64_t one = 1;
+  (void)!write(event_fd_, &one, sizeof(one));
+  if (thread_.joinable()) thread_.join();
+  io_uring_queue_exit(&ring_);
+  close(event_fd_);
+}
+
+int UringEngine::FixedIndex(const std::byte* p, uint32_t bytes) const {
+  for (size_t i = 0; i < fixed_.size(); ++i) {
+    if (p >= fixed_[i].first && p + bytes <= fixed_[i].first + fixed_[i].second) {
+      return static_cast<int>(i);
+    }
+  }
+  return -1;
+}
+
+absl::Status UringEngine::Run(std::span<const IoOp> ops) {
+  if (ops.empty()) return absl::OkStatus();
+  Batch batch;
+  {
+    absl::MutexLock bl(&batch.mu);
+    batch.remaining = ops.size();
+  }
+  {
+    absl::MutexLock l(&mu_);
+    for (const IoOp& op : ops) queue_.push_back(Pending{&batch, op, 0});
+  }
+  uint64_t one = 1;
+  (void)!write(event_fd_, &one, sizeof(one));
+  batch.done.WaitForNotification();
+  absl::MutexLock bl(&batch.mu);
+  return batch.status;
+}
+
+void UringEngine::Loop() {
+  std::deque<Pending> local;
+  std::vector<std::unique_ptr<Pending>> unused;
+  unsigned inflight = 0;
+  bool poll_armed = false;
+  uint64_t wake_buf = 0;
+  for (;;) {
+    {
+      absl::MutexLock l(&mu_);
+      while (!queue_.empty()) {
+        local.push_back(queue_.front());
+        queue_.pop_front();
+      }
+      if (stop_ && local.empty() && inflight == 0) return;
+    }
+    while (inflight < queue_depth_ && !local.empty()) {
+      io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+      if (sqe == nullptr) break;
+      auto* p = new Pending(local.front());
+      local.pop_front();
+      std::byte* buf = p->op.buffer + p->done;
+      const uint32_t len = p->op.bytes - p->done;
+      const uint64_t off = p->op.file_offset + p->done;
+      const int idx = registered_ ? FixedIndex(buf, len) : -1;
+      if (p->op.write) {
+        if (idx >= 0) io_uring_prep_write_fixed(sqe, fd_, buf, len, off, idx);
+        else io_uring_prep_write(sqe, fd_, buf, len, off);
+      } else {
+        if (idx >= 0) io_uring_prep_read_fixed(sqe, fd_, buf, len, off, idx);
+        else io_uring_prep_read(sqe, fd_, buf, len, off);
+      }
+      io_uring_sqe_set_data64(sqe, reinterpret_cast<uint64_t>(p));
+      ++inflight;
+    }
+    if (!poll_armed) {
+      io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+      if (sqe != nullptr) {
+        io_uring_prep_read(sqe, event_fd_, &wake_buf, sizeof(wake_buf), 0);
+        io_uring_sqe_set_data64(sqe, kWakeTag);
+        poll_armed = true;
+      }
+    }
+    io_uring_submit_and_wait(&ring_, 1);
+    io_uring_cqe* cqe;
+    unsigned head, seen = 0;
+    io_uring_for_each_cqe(&ring_, head, cqe) {
+      ++seen;
+      const uint64_t tag = io_uring_cqe_get_data64(cqe);
+      if (tag == kWakeTag) {
+        poll_armed = false;
+        continue;
+      }
+      auto* p = reinterpret_cast<Pending*>(tag);
+      --inflight;
+      const int res = cqe->res;
+      absl::Status err;
+      if (res < 0) {
+        err = absl::DataLossError(absl::StrCat(p->op.write ? "write" : "read", " at offset ",
+                                               p->op.file_offset, ": ", std::strerror(-res)));
+      } else if (res == 0) {
+        err = absl::DataLossError(absl::StrCat("short ", p->op.write ? "write" : "read",
+                                               " at offset ", p->op.file_offset));
+      } else if (p->done + static_cast<uint32_t>(res) < p->op.bytes) {
+        p->done += res;
+        local.push_front(*p);  // resubmit the rest
+        delete p;
+        continue;
+      }
+      Batch* b = p->batch;
+      delete p;
+      bool finished;
+      {
+        absl::MutexLock bl(&b->mu);
+        if (!err.ok() && b->status.ok()) b->status = err;
+        finished = --b->remaining == 0;
+      }
+      if (finished) b->done.Notify();
+    }
+    io_uring_cq_advance(&ring_, seen);
+  }
+}
+
+}  // namespace kvpool::pool_node

@@ -1,0 +1,76 @@
+// UringEngine: batched O_DIRECT file I/O on one io_uring, driven by its own thread.
+//
+// Callers hand a batch of page reads/writes to Run(), which returns when every op of
+// the batch finished. The engine thread keeps up to queue_depth ops in flight across
+// all batches (so several callers share the queue depth), and sleeps in
+// io_uring_submit_and_wait when idle: an eventfd polled through the ring wakes it when
+// a new batch arrives. Memory handed in at Create is registered with the ring
+// (io_uring_register_buffers, in chunks of at most 1 GiB) and ops on it use
+// READ_FIXED/WRITE_FIXED, so the kernel does not pin pages per op.
+//
+// Thread safety: Run may be called from any number of threads concurrently. No caller
+// holds a lock while it waits for completions; the queue mutex guards only the hand-off.
+#pragma once
+
+#include <liburing.h>
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <span>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+
+namespace kvpool::pool_node {
+
+struct IoOp {
+  bool write = false;
+  uint64_t file_offset = 0;  // multiple of 4096 (O_DIRECT)
+  std::byte* buffer = nullptr;  // 4096-aligned
+  uint32_t bytes = 0;           // multiple of 4096
+};
+
+class UringEngine {
+ public:
+  // `fd`: an O_DIRECT file; `fixed`: memory to register (may be empty).
+  static absl::StatusOr<std::unique_ptr<UringEngine>> Create(int fd, unsigned queue_depth,
+                                                             std::span<std::byte> fixed);
+  ~UringEngine();
+
+  // Runs every op; the first error (as -errno turned into a Status) fails the batch,
+  // but the batch still waits for all its ops before returning.
+  absl::Status Run(std::span<const IoOp> ops);
+
+  unsigned queue_depth() const { return queue_depth_; }
+  bool registered_buffers() const { return registered_; }
+
+ private:
+  struct Batch;
+  struct Pending {
+    Batch* batch;
+    IoOp op;
+    uint32_t done = 0;  // bytes completed (short transfers are resubmitted)
+  };
+  UringEngine() = default;
+  void Loop();
+  int FixedIndex(const std::byte* p, uint32_t bytes) const;
+
+  int fd_ = -1;
+  int event_fd_ = -1;
+  unsigned queue_depth_ = 0;
+  bool registered_ = false;
+  std::vector<std::pair<std::byte*, uint64_t>> fixed_;  // registered chunks
+  io_uring ring_{};
+  std::thread thread_;
+
+  absl::Mutex mu_;
+  std::deque<Pending> queue_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace kvpool::pool_node

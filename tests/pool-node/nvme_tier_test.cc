@@ -1,0 +1,248 @@
+// The NVMe tier: demotion, promotion, restart recovery, on-disk corruption.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kvpool/pool_node/pool_core.h"
+#include "test_util.h"
+
+namespace kvpool::pool_node {
+namespace {
+
+using testing::H;
+using testing::Pattern;
+using testing::Put;
+using testing::PutChain;
+
+constexpr uint64_t kPage = 4096;
+
+class NvmeTierTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<PoolCore> Make(uint64_t dram_pages, uint64_t nvme_pages, PoolOptions extra = {}) {
+    extra.page_bytes = kPage;
+    extra.dram_bytes = dram_pages * kPage;
+    extra.nvme_dir = dir_.path();
+    extra.nvme_bytes = nvme_pages * kPage;
+    extra.background = false;
+    extra.clock = &clock_;
+    auto core = PoolCore::Create(extra);
+    EXPECT_TRUE(core.ok()) << core.status();
+    return core.ok() ? std::move(*core) : nullptr;
+  }
+  // Overwrites one page of the data file with garbage, through O_DIRECT like the tier.
+  void CorruptNvmePage(const std::string& path, uint32_t page) {
+    int fd = ::open(path.c_str(), O_WRONLY | O_DIRECT);
+    ASSERT_GE(fd, 0);
+    void* buf = nullptr;
+    ASSERT_EQ(posix_memalign(&buf, 4096, kPage), 0);
+    std::memset(buf, 0xEE, kPage);
+    ASSERT_EQ(::pwrite(fd, buf, kPage, static_cast<off_t>(page) * kPage), static_cast<ssize_t>(kPage));
+    std::free(buf);
+    ::close(fd);
+  }
+  testing::TempDir dir_;
+  ManualClock clock_;
+};
+
+TEST_F(NvmeTierTest, DemotionThenPromotionIsByteExact) {
+  auto core = Make(32, 64);
+  const std::vector<size_t> sizes = {100, 4096, 3 * 4096 + 5, 9000};
+  std::optional<BlockHash> parent;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    ASSERT_TRUE(Put(*core, H(i), parent, Pattern(i, sizes[i])).ok());
+    parent = H(i);
+  }
+  EXPECT_EQ(core->Demote(100), sizes.size());
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    auto info = core->Inspect({H(i), StateKind::kAttnKv});
+    ASSERT_TRUE(info);
+    EXPECT_FALSE(info->in_dram);
+    EXPECT_TRUE(info->on_nvme);
+  }
+  EXPECT_EQ(core->Stats().tiers[0].used_bytes, 0u);
+  // Scribble over the freed DRAM so a promotion that did not read the disk would show.
+  ReserveEntrySpec e{H(100), std::nullopt, StateKind::kAttnKv, 32 * kPage};
+  auto r = core->Reserve({&e, 1});
+  ASSERT_TRUE(r.ok());
+  std::string junk(32 * kPage, 'J');
+  core->CopyToRun(r->slots[0].run, testing::Bytes(junk));
+  CommitEntrySpec bad{H(100), 0};
+  ASSERT_TRUE(core->Commit(r->id, {&bad, 1}).ok());
+
+  LookupSpec spec;
+  for (size_t i = 0; i < sizes.size(); ++i) spec.hashes.push_back(H(i));
+  auto ans = core->Lookup(spec);
+  ASSERT_TRUE(ans.ok()) << ans.status();
+  ASSERT_EQ(ans->prefix_blocks, sizes.size());
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    EXPECT_EQ(ans->objects[i].found_in, Tier::kNvme);
+    auto bytes = core->ReadObject(ans->lease_id, ans->objects[i].key);
+    ASSERT_TRUE(bytes.ok());
+    EXPECT_TRUE(*bytes == Pattern(i, sizes[i])) << i;
+    auto info = core->Inspect(ans->objects[i].key);
+    EXPECT_TRUE(info->in_dram && info->on_nvme);  // promotion copies; NVMe copy stays
+  }
+  EXPECT_EQ(core->Stats().promotions, sizes.size());
+  // A second lookup hits DRAM.
+  auto again = core->Lookup({.hashes = {H(0)}});
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->objects[0].found_in, Tier::kDram);
+}
+
+TEST_F(NvmeTierTest, BackgroundDemotionRunsBetweenWatermarks) {
+  auto core = Make(20, 64, {.demote_high_watermark = 0.8, .demote_low_watermark = 0.5});
+  PutChain(*core, 0, 16, kPage);  // 80%: not above the high watermark yet
+  core->RunMaintenance();
+  EXPECT_EQ(core->Stats().demotions, 0u);
+  PutChain(*core, 16, 2, kPage, H(15));  // 90%
+  core->RunMaintenance();
+  auto st = core->Stats();
+  EXPECT_EQ(st.tiers[0].used_bytes, 10 * kPage);  // down to the low watermark
+  EXPECT_EQ(st.demotions, 8u);
+  // Leaf-first: the chain's tail went to NVMe, its head stayed in DRAM.
+  EXPECT_TRUE(core->Inspect({H(0), StateKind::kAttnKv})->in_dram);
+  EXPECT_FALSE(core->Inspect({H(17), StateKind::kAttnKv})->in_dram);
+  EXPECT_TRUE(core->Inspect({H(17), StateKind::kAttnKv})->on_nvme);
+  // The whole chain is still one prefix.
+  LookupSpec spec;
+  for (uint64_t i = 0; i < 18; ++i) spec.hashes.push_back(H(i));
+  auto ans = core->Lookup(spec);
+  ASSERT_TRUE(ans.ok());
+  EXPECT_EQ(ans->prefix_blocks, 18u);
+  for (uint64_t i = 0; i < 18; ++i) {
+    auto b = core->ReadObject(ans->lease_id, {H(i), StateKind::kAttnKv});
+    ASSERT_TRUE(b.ok());
+    EXPECT_TRUE(*b == Pattern(i, kPage)) << i;
+  }
+}
+
+TEST_F(NvmeTierTest, RestartRecoversTheNvmeTier) {
+  {
+    auto core = Make(16, 64);
+    PutChain(*core, 0, 6, 5000);
+    ASSERT_TRUE(Put(*core, H(5), std::nullopt, Pattern(77, 700), StateKind::kLinearState).ok());
+    EXPECT_EQ(core->Demote(100), 7u);
+    PutChain(*core, 50, 1, 100);  // DRAM-only: gone after the restart
+  }
+  auto core = Make(16, 64);
+  for (uint64_t i = 0; i < 6; ++i) {
+    auto info = core->Inspect({H(i), StateKind::kAttnKv});
+    ASSERT_TRUE(info) << i;
+    EXPECT_TRUE(info->on_nvme);
+  }
+  EXPECT_FALSE(core->Inspect({H(50), StateKind::kAttnKv}));
+  EXPECT_TRUE(core->Inspect({H(5), StateKind::kLinearState})->visible);
+  LookupSpec spec;
+  for (uint64_t i = 0; i < 6; ++i) spec.hashes.push_back(H(i));
+  auto ans = core->Lookup(spec);
+  ASSERT_TRUE(ans.ok());
+  ASSERT_EQ(ans->prefix_blocks, 6u);
+  for (uint64_t i = 0; i < 6; ++i) {
+    auto b = core->ReadObject(ans->lease_id, {H(i), StateKind::kAttnKv});
+    ASSERT_TRUE(b.ok());
+    EXPECT_TRUE(*b == Pattern(i, 5000)) << i;
+  }
+  auto lin = core->Lookup({.hashes = {H(5)}, .kind = StateKind::kLinearState});
+  ASSERT_TRUE(lin.ok());
+  ASSERT_EQ(lin->prefix_blocks, 1u);
+  EXPECT_TRUE(*core->ReadObject(lin->lease_id, {H(5), StateKind::kLinearState}) == Pattern(77, 700));
+  ASSERT_TRUE(core->Release(ans->lease_id).ok());
+  ASSERT_TRUE(core->Release(lin->lease_id).ok());
+  // New objects do not land on recovered pages.
+  PutChain(*core, 60, 4, 5000);
+  core->Demote(100);
+  for (uint64_t i = 60; i < 64; ++i) EXPECT_TRUE(core->Inspect({H(i), StateKind::kAttnKv})->on_nvme);
+  auto all = core->Lookup({.hashes = {H(0), H(1), H(2), H(3), H(4), H(5)}});
+  ASSERT_TRUE(all.ok());
+  EXPECT_EQ(all->prefix_blocks, 6u);
+  EXPECT_TRUE(*core->ReadObject(all->lease_id, {H(3), StateKind::kAttnKv}) == Pattern(3, 5000));
+}
+
+TEST_F(NvmeTierTest, RestartWithOtherPageBytesIsRefusedNamingTheFlag) {
+  { auto core = Make(16, 64); }
+  PoolOptions o;
+  o.page_bytes = 8192;
+  o.dram_bytes = 16 * 8192;
+  o.nvme_dir = dir_.path();
+  o.nvme_bytes = 64 * kPage;
+  o.background = false;
+  auto core = PoolCore::Create(o);
+  EXPECT_EQ(core.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(core.status().message()), ::testing::HasSubstr("--page-bytes=4096"));
+}
+
+TEST_F(NvmeTierTest, CorruptionOnDiskIsDetectedAndNeverServed) {
+  auto core = Make(16, 64);
+  PutChain(*core, 0, 3, 2 * kPage);
+  ASSERT_EQ(core->Demote(100), 3u);
+  auto info = core->Inspect({H(1), StateKind::kAttnKv});
+  ASSERT_TRUE(info && info->on_nvme);
+  CorruptNvmePage(core->nvme_data_path(), info->nvme_pages[1]);
+  auto ans = core->Lookup({.hashes = {H(0), H(1), H(2)}});
+  ASSERT_TRUE(ans.ok());
+  EXPECT_EQ(ans->prefix_blocks, 1u);  // H(1) failed its checksum: the prefix ends there
+  ASSERT_EQ(ans->objects.size(), 1u);
+  EXPECT_EQ(ans->objects[0].key.hash, H(0));
+  EXPECT_EQ(core->Stats().checksum_failures, 1u);
+  EXPECT_FALSE(core->Inspect({H(1), StateKind::kAttnKv}));  // dropped
+  auto again = core->Lookup({.hashes = {H(1)}});
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->prefix_blocks, 0u);
+}
+
+TEST_F(NvmeTierTest, CorruptionAfterRestartIsDetectedToo) {
+  uint32_t page;
+  std::string path;
+  {
+    auto core = Make(16, 64);
+    PutChain(*core, 0, 2, kPage);
+    ASSERT_EQ(core->Demote(100), 2u);
+    page = core->Inspect({H(1), StateKind::kAttnKv})->nvme_pages[0];
+    path = core->nvme_data_path();
+  }
+  CorruptNvmePage(path, page);
+  auto core = Make(16, 64);
+  auto ans = core->Lookup({.hashes = {H(0), H(1)}});
+  ASSERT_TRUE(ans.ok());
+  EXPECT_EQ(ans->prefix_blocks, 1u);
+  EXPECT_EQ(core->Stats().checksum_failures, 1u);
+  // The drop was journaled: a further restart does not bring it back.
+  core.reset();
+  core = Make(16, 64);
+  EXPECT_FALSE(core->Inspect({H(1), StateKind::kAttnKv}));
+  EXPECT_TRUE(core->Inspect({H(0), StateKind::kAttnKv}));
+}
+
+TEST_F(NvmeTierTest, LeasedObjectsAreNeitherDemotedNorMoved) {
+  auto core = Make(8, 16);
+  ASSERT_TRUE(Put(*core, H(0), std::nullopt, Pattern(0, kPage)).ok());
+  ASSERT_TRUE(Put(*core, H(1), std::nullopt, Pattern(1, kPage)).ok());
+  auto lease = core->Lookup({.hashes = {H(0)}});
+  ASSERT_TRUE(lease.ok());
+  const auto before = core->Inspect({H(0), StateKind::kAttnKv})->dram_pages;
+  EXPECT_EQ(core->Demote(100), 1u);  // only H(1)
+  auto info = core->Inspect({H(0), StateKind::kAttnKv});
+  EXPECT_TRUE(info->in_dram);
+  EXPECT_EQ(info->dram_pages, before);  // the descriptors handed out stay valid
+  EXPECT_FALSE(core->Inspect({H(1), StateKind::kAttnKv})->in_dram);
+  ASSERT_TRUE(core->Release(lease->lease_id).ok());
+  EXPECT_EQ(core->Demote(100), 1u);
+  EXPECT_FALSE(core->Inspect({H(0), StateKind::kAttnKv})->in_dram);
+}
+
+TEST_F(NvmeTierTest, NvmeFullEvictsNvmeLeavesFirst) {
+  auto core = Make(8, 4);
+  PutChain(*core, 0, 4, kPage);
+  ASSERT_EQ(core->Demote(100), 4u);  // NVMe full: H(0..3)
+  PutChain(*core, 10, 2, kPage);
+  ASSERT_EQ(core->Demote(100), 2u);  // evicts H(3) then H(2) from NVMe (leaf-first)
+  EXPECT_FALSE(core->Inspect({H(3), StateKind::kAttnKv}));
+  EXPECT_FALSE(core->Inspect({H(2), StateKind::kAttnKv}));
+  EXPECT_TRUE(core->Inspect({H(0), StateKind::kAttnKv}));
+  EXPECT_TRUE(core->Inspect({H(1), StateKind::kAttnKv}));
+  EXPECT_EQ(core->Stats().tiers[1].evictions, 2u);
+}
+
+}  // namespace
+}  // namespace kvpool::pool_node

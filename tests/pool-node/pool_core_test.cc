@@ -1,0 +1,330 @@
+// PoolCore: the DRAM tier, leases, reservations, eviction order, quotas, co-presence.
+#include "kvpool/pool_node/pool_core.h"
+
+#include "absl/strings/match.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "test_util.h"
+
+namespace kvpool::pool_node {
+namespace {
+
+using testing::H;
+using testing::Pattern;
+using testing::Put;
+using testing::PutChain;
+
+constexpr uint64_t kPage = 4096;
+
+class RecordingSink : public EventSink {
+ public:
+  void OnStored(const ObjectKey& key, const std::optional<BlockHash>&, Tier tier) override {
+    events.push_back({true, key, tier});
+  }
+  void OnRemoved(const ObjectKey& key, Tier tier) override { events.push_back({false, key, tier}); }
+  struct E {
+    bool stored;
+    ObjectKey key;
+    Tier tier;
+    bool operator==(const E&) const = default;
+  };
+  std::vector<E> events;
+};
+
+class PoolCoreTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<PoolCore> Make(uint64_t dram_pages, PoolOptions extra = {}) {
+    extra.page_bytes = kPage;
+    extra.dram_bytes = dram_pages * kPage;
+    extra.background = false;
+    extra.clock = &clock_;
+    extra.events = &sink_;
+    auto core = PoolCore::Create(extra);
+    EXPECT_TRUE(core.ok()) << core.status();
+    return core.ok() ? std::move(*core) : nullptr;
+  }
+  ManualClock clock_;
+  RecordingSink sink_;
+};
+
+TEST_F(PoolCoreTest, PutLookupGetRoundTripIsByteExact) {
+  auto core = Make(64);
+  // Sizes that do and do not fill their last page.
+  const std::vector<size_t> sizes = {1, 4095, 4096, 4097, 3 * 4096 + 17};
+  std::optional<BlockHash> parent;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    ASSERT_TRUE(Put(*core, H(i), parent, Pattern(i, sizes[i])).ok());
+    parent = H(i);
+  }
+  LookupSpec spec;
+  for (size_t i = 0; i < sizes.size(); ++i) spec.hashes.push_back(H(i));
+  auto ans = core->Lookup(spec);
+  ASSERT_TRUE(ans.ok()) << ans.status();
+  EXPECT_EQ(ans->prefix_blocks, sizes.size());
+  ASSERT_EQ(ans->objects.size(), sizes.size());
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    EXPECT_EQ(ans->objects[i].run.length, sizes[i]);
+    EXPECT_EQ(ans->objects[i].found_in, Tier::kDram);
+    EXPECT_EQ(ans->objects[i].checksum, Checksum64(testing::Bytes(Pattern(i, sizes[i]))));
+    auto bytes = core->ReadObject(ans->lease_id, ans->objects[i].key);
+    ASSERT_TRUE(bytes.ok()) << bytes.status();
+    EXPECT_TRUE(*bytes == Pattern(i, sizes[i])) << "object " << i << " differs";
+  }
+  EXPECT_TRUE(core->Release(ans->lease_id).ok());
+}
+
+TEST_F(PoolCoreTest, UnknownHashesArePerEntryMisses) {
+  auto core = Make(16);
+  PutChain(*core, 0, 2, 100);
+  ASSERT_TRUE(Put(*core, H(3), H(2), Pattern(3, 100)).ok());
+  auto ans = core->Lookup({.hashes = {H(0), H(1), H(2), H(3)}});
+  ASSERT_TRUE(ans.ok());
+  EXPECT_EQ(ans->prefix_blocks, 2u);
+  EXPECT_EQ(ans->objects.size(), 2u);
+  auto gaps = core->Lookup({.hashes = {H(0), H(1), H(2), H(3)}, .allow_gaps = true});
+  ASSERT_TRUE(gaps.ok());
+  EXPECT_EQ(gaps->prefix_blocks, 2u);
+  ASSERT_EQ(gaps->objects.size(), 3u);
+  EXPECT_EQ(gaps->objects[2].key.hash, H(3));
+  auto none = core->Lookup({.hashes = {H(99)}});
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(none->prefix_blocks, 0u);
+  EXPECT_EQ(none->lease_id, 0u);
+  // Kinds are separate namespaces.
+  auto lin = core->Lookup({.hashes = {H(0)}, .kind = StateKind::kLinearState});
+  ASSERT_TRUE(lin.ok());
+  EXPECT_EQ(lin->prefix_blocks, 0u);
+}
+
+TEST_F(PoolCoreTest, CommittedObjectsAreImmutableAndReReserveSaysPresent) {
+  auto core = Make(16);
+  ASSERT_TRUE(Put(*core, H(1), std::nullopt, Pattern(1, 5000)).ok());
+  ReserveEntrySpec e{H(1), std::nullopt, StateKind::kAttnKv, 5000};
+  auto r = core->Reserve({&e, 1});
+  ASSERT_TRUE(r.ok());
+  EXPECT_TRUE(r->slots[0].already_present);
+  EXPECT_TRUE(r->slots[0].run.pages.empty());
+}
+
+TEST_F(PoolCoreTest, ChecksumMismatchAtCommitIsDataLossAndFreesPages) {
+  auto core = Make(8);
+  const std::string bytes = Pattern(7, 3 * kPage);
+  ReserveEntrySpec e{H(7), std::nullopt, StateKind::kAttnKv, bytes.size()};
+  auto r = core->Reserve({&e, 1});
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(core->Stats().reserved_bytes, 3 * kPage);
+  core->CopyToRun(r->slots[0].run, testing::Bytes(bytes));
+  CommitEntrySpec c{H(7), Checksum64(testing::Bytes(bytes)) ^ 1};
+  auto out = core->Commit(r->id, {&c, 1});
+  ASSERT_TRUE(out.ok());
+  EXPECT_EQ((*out)[0].status.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string((*out)[0].status.message()), ::testing::HasSubstr("checksum"));
+  auto st = core->Stats();
+  EXPECT_EQ(st.tiers[0].used_bytes, 0u);
+  EXPECT_EQ(st.reserved_bytes, 0u);
+  EXPECT_EQ(st.checksum_failures, 1u);
+  EXPECT_FALSE(core->Inspect({H(7), StateKind::kAttnKv}));
+  // The pages are really free: the whole arena can be reserved again.
+  ReserveEntrySpec all{H(8), std::nullopt, StateKind::kAttnKv, 8 * kPage};
+  EXPECT_TRUE(core->Reserve({&all, 1}).ok());
+}
+
+TEST_F(PoolCoreTest, ZombieReserveIsReclaimedAfterTimeout) {
+  auto core = Make(8, {.reserve_timeout_ms = 1000});
+  ReserveEntrySpec e{H(1), std::nullopt, StateKind::kAttnKv, 8 * kPage};
+  auto r = core->Reserve({&e, 1});
+  ASSERT_TRUE(r.ok());
+  ReserveEntrySpec other{H(2), std::nullopt, StateKind::kAttnKv, kPage};
+  // Reserved pages are never evicted to make room.
+  EXPECT_EQ(core->Reserve({&other, 1}).status().code(), absl::StatusCode::kResourceExhausted);
+  clock_.AdvanceMs(999);
+  core->RunMaintenance();
+  EXPECT_EQ(core->Stats().pending_reservations, 1u);
+  clock_.AdvanceMs(2);
+  core->RunMaintenance();
+  auto st = core->Stats();
+  EXPECT_EQ(st.pending_reservations, 0u);
+  EXPECT_EQ(st.reclaimed_reservations, 1u);
+  EXPECT_EQ(st.reserved_bytes, 0u);
+  CommitEntrySpec c{H(1), 0};
+  EXPECT_EQ(core->Commit(r->id, {&c, 1}).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(core->Reserve({&other, 1}).ok());
+}
+
+TEST_F(PoolCoreTest, CapacityExhaustionIsResourceExhausted) {
+  auto core = Make(4);
+  ReserveEntrySpec big{H(1), std::nullopt, StateKind::kAttnKv, 5 * kPage};
+  auto r = core->Reserve({&big, 1});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(r.status().message()), ::testing::HasSubstr("5 pages"));
+  // All-or-nothing: a batch that does not fit reserves nothing.
+  std::vector<ReserveEntrySpec> batch = {{H(2), std::nullopt, StateKind::kAttnKv, 3 * kPage},
+                                         {H(3), std::nullopt, StateKind::kAttnKv, 2 * kPage}};
+  EXPECT_EQ(core->Reserve(batch).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(core->Stats().reserved_bytes, 0u);
+}
+
+TEST_F(PoolCoreTest, EvictionMakesRoomButNeverTakesLeasedObjects) {
+  auto core = Make(4);
+  for (uint64_t i = 0; i < 4; ++i) ASSERT_TRUE(Put(*core, H(i), std::nullopt, Pattern(i, kPage)).ok());
+  auto lease = core->Lookup({.hashes = {H(0)}});  // H(0) is the LRU object, and leased
+  ASSERT_TRUE(lease.ok());
+  ASSERT_EQ(lease->prefix_blocks, 1u);
+  // Three more objects fit only by evicting H(1..3); H(0) must survive.
+  for (uint64_t i = 10; i < 13; ++i) ASSERT_TRUE(Put(*core, H(i), std::nullopt, Pattern(i, kPage)).ok());
+  EXPECT_TRUE(core->Inspect({H(0), StateKind::kAttnKv}));
+  for (uint64_t i = 1; i < 4; ++i) EXPECT_FALSE(core->Inspect({H(i), StateKind::kAttnKv})) << i;
+  // Nothing evictable but leased H(0) and three unleased: lease those too, then a
+  // Reserve cannot make room.
+  auto lease2 = core->Lookup({.hashes = {H(10), H(11), H(12)}, .allow_gaps = true});
+  ASSERT_TRUE(lease2.ok());
+  ReserveEntrySpec e{H(20), std::nullopt, StateKind::kAttnKv, kPage};
+  EXPECT_EQ(core->Reserve({&e, 1}).status().code(), absl::StatusCode::kResourceExhausted);
+  auto bytes = core->ReadObject(lease->lease_id, {H(0), StateKind::kAttnKv});
+  ASSERT_TRUE(bytes.ok());
+  EXPECT_TRUE(*bytes == Pattern(0, kPage));
+  ASSERT_TRUE(core->Release(lease->lease_id).ok());
+  EXPECT_TRUE(core->Reserve({&e, 1}).ok());  // H(0) is evictable again
+  EXPECT_FALSE(core->Inspect({H(0), StateKind::kAttnKv}));
+}
+
+TEST_F(PoolCoreTest, ReadAfterLeaseExpiryFailsCleanly) {
+  auto core = Make(4);
+  ASSERT_TRUE(Put(*core, H(1), std::nullopt, Pattern(1, 100)).ok());
+  auto ans = core->Lookup({.hashes = {H(1)}, .lease_ms = 500});
+  ASSERT_TRUE(ans.ok());
+  EXPECT_TRUE(core->ReadObject(ans->lease_id, {H(1), StateKind::kAttnKv}).ok());
+  clock_.AdvanceMs(501);
+  auto late = core->ReadObject(ans->lease_id, {H(1), StateKind::kAttnKv});
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(late.status().message()), ::testing::HasSubstr("Lookup again"));
+  EXPECT_EQ(core->Release(ans->lease_id).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(core->Stats().expired_leases, 1u);
+  EXPECT_EQ(core->Lookup({.hashes = {H(1)}, .lease_ms = 700'000}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(PoolCoreTest, EvictsLeavesFirstThenLeastRecentlyUsed) {
+  auto core = Make(5);
+  // Chain A(0) -> B(1) -> C(2), then an unrelated D(3); A is the least recently used.
+  PutChain(*core, 0, 3, kPage);
+  ASSERT_TRUE(Put(*core, H(3), std::nullopt, Pattern(3, kPage)).ok());
+  auto touch = core->Lookup({.hashes = {H(3)}});
+  ASSERT_TRUE(touch.ok());
+  ASSERT_TRUE(core->Release(touch->lease_id).ok());
+  // LRU order: A, B, C, D. Pure LRU would evict A; leaf-first evicts C, then B, then A.
+  std::vector<uint64_t> evicted;
+  auto present = [&](uint64_t i) { return core->Inspect({H(i), StateKind::kAttnKv}).has_value(); };
+  for (uint64_t n = 0; n < 4; ++n) {
+    // One page more than is free forces exactly one (one-page) eviction.
+    const auto st = core->Stats();
+    const uint64_t free_bytes = st.tiers[0].capacity_bytes - st.tiers[0].used_bytes;
+    ReserveEntrySpec e{H(100 + n), std::nullopt, StateKind::kAttnKv, free_bytes + kPage};
+    auto r = core->Reserve({&e, 1});
+    ASSERT_TRUE(r.ok()) << r.status();
+    for (uint64_t i = 0; i < 4; ++i) {
+      if (!present(i) && std::find(evicted.begin(), evicted.end(), i) == evicted.end()) evicted.push_back(i);
+    }
+    CommitEntrySpec c{H(100 + n), 0};  // wrong checksum on purpose: frees the pages
+    ASSERT_TRUE(core->Commit(r->id, {&c, 1}).ok());
+  }
+  EXPECT_EQ(evicted, (std::vector<uint64_t>{2, 1, 0, 3}));
+  EXPECT_EQ(core->Stats().tiers[0].evictions, 4u);
+}
+
+TEST_F(PoolCoreTest, CheckpointVisibleOnlyWhileItsKvPrefixIsPresent) {
+  auto core = Make(16);
+  const ObjectKey ckpt{H(2), StateKind::kLinearState};
+  // The checkpoint at H(2) arrives before its ATTN_KV prefix H(0) -> H(1) -> H(2).
+  ASSERT_TRUE(Put(*core, H(2), std::nullopt, Pattern(50, 3000), StateKind::kLinearState).ok());
+  auto lin = core->Lookup({.hashes = {H(2)}, .kind = StateKind::kLinearState});
+  ASSERT_TRUE(lin.ok());
+  EXPECT_EQ(lin->prefix_blocks, 0u) << "announced without its MLA prefix";
+  PutChain(*core, 0, 2, 1000);  // H(0), H(1): still missing H(2)
+  EXPECT_FALSE(core->Inspect(ckpt)->visible);
+  ASSERT_TRUE(Put(*core, H(2), H(1), Pattern(2, 1000)).ok());
+  EXPECT_TRUE(core->Inspect(ckpt)->visible);
+  lin = core->Lookup({.hashes = {H(2)}, .kind = StateKind::kLinearState});
+  ASSERT_TRUE(lin.ok());
+  EXPECT_EQ(lin->prefix_blocks, 1u);
+  ASSERT_TRUE(core->Release(lin->lease_id).ok());
+  // Events: the checkpoint is announced right after the block that completed its prefix.
+  const RecordingSink::E kv2{true, {H(2), StateKind::kAttnKv}, Tier::kDram};
+  const RecordingSink::E ck{true, ckpt, Tier::kDram};
+  auto it = std::find(sink_.events.begin(), sink_.events.end(), kv2);
+  ASSERT_NE(it, sink_.events.end());
+  ASSERT_NE(it + 1, sink_.events.end());
+  EXPECT_EQ(*(it + 1), ck);
+  EXPECT_EQ(std::count(sink_.events.begin(), sink_.events.end(), ck), 1);
+  // Losing H(1) (its middle) hides the checkpoint again: fill DRAM so eviction takes the
+  // KV chain leaf-first while the checkpoint itself stays.
+  auto keep = core->Lookup({.hashes = {H(2)}, .kind = StateKind::kLinearState});
+  ASSERT_TRUE(keep.ok());
+  ReserveEntrySpec e{H(90), std::nullopt, StateKind::kAttnKv, 15 * kPage};
+  ASSERT_TRUE(core->Reserve({&e, 1}).ok());
+  EXPECT_FALSE(core->Inspect({H(1), StateKind::kAttnKv}));
+  ASSERT_TRUE(core->Inspect(ckpt));
+  EXPECT_FALSE(core->Inspect(ckpt)->visible);
+  // Removing the chain's tail H(2) (leaf-first) is what hid the checkpoint.
+  const RecordingSink::E gone2{false, {H(2), StateKind::kAttnKv}, Tier::kDram};
+  auto g = std::find(sink_.events.begin(), sink_.events.end(), gone2);
+  ASSERT_NE(g, sink_.events.end());
+  ASSERT_NE(g + 1, sink_.events.end());
+  EXPECT_EQ(*(g + 1), (RecordingSink::E{false, ckpt, Tier::kDram}));
+  ASSERT_TRUE(core->Release(keep->lease_id).ok());
+  lin = core->Lookup({.hashes = {H(2)}, .kind = StateKind::kLinearState});
+  ASSERT_TRUE(lin.ok());
+  EXPECT_EQ(lin->prefix_blocks, 0u);
+}
+
+TEST_F(PoolCoreTest, QuotaPerStateKind) {
+  auto core = Make(16, {.dram_quota_bytes = {0, 4 * kPage}});
+  ASSERT_TRUE(Put(*core, H(1), std::nullopt, Pattern(1, 3 * kPage), StateKind::kLinearState).ok());
+  PutChain(*core, 10, 4, kPage);  // ATTN_KV is not limited
+  // A second 3-page checkpoint exceeds the 4-page quota: the first one is evicted.
+  ASSERT_TRUE(Put(*core, H(2), std::nullopt, Pattern(2, 3 * kPage), StateKind::kLinearState).ok());
+  EXPECT_FALSE(core->Inspect({H(1), StateKind::kLinearState}));
+  for (uint64_t i = 10; i < 14; ++i) EXPECT_TRUE(core->Inspect({H(i), StateKind::kAttnKv}));
+  auto st = core->Stats();
+  EXPECT_EQ(st.tiers[0].bytes_by_kind[KindIndex(StateKind::kLinearState)], 3 * kPage);
+  EXPECT_EQ(st.tiers[0].bytes_by_kind[KindIndex(StateKind::kAttnKv)], 4 * kPage);
+  ReserveEntrySpec too_big{H(3), std::nullopt, StateKind::kLinearState, 5 * kPage};
+  auto r = core->Reserve({&too_big, 1});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(r.status().message()), ::testing::HasSubstr("quota for linear_state"));
+}
+
+TEST_F(PoolCoreTest, ValidationNamesTheField) {
+  PoolOptions bad;
+  bad.page_bytes = 1000;
+  bad.dram_bytes = 1 << 20;
+  auto c = PoolCore::Create(bad);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(c.status().message()), ::testing::HasSubstr("--page-bytes=1000"));
+  bad.page_bytes = 4096;
+  bad.dram_bytes = 100;
+  EXPECT_THAT(std::string(PoolCore::Create(bad).status().message()), ::testing::HasSubstr("--dram"));
+
+  auto core = Make(8);
+  ReserveEntrySpec zero{H(1), std::nullopt, StateKind::kAttnKv, 0};
+  auto r = core->Reserve({&zero, 1});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(r.status().message()), ::testing::HasSubstr("entries[0].length"));
+  std::vector<ReserveEntrySpec> dup = {{H(1), std::nullopt, StateKind::kAttnKv, 1},
+                                       {H(1), std::nullopt, StateKind::kAttnKv, 1}};
+  EXPECT_THAT(std::string(core->Reserve(dup).status().message()),
+              ::testing::HasSubstr("entries[1].block_hash"));
+  EXPECT_EQ(core->Lookup({}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(core->Commit(12345, {}).status().code(), absl::StatusCode::kNotFound);
+  // A commit entry that was not reserved is a per-entry error.
+  ReserveEntrySpec ok{H(2), std::nullopt, StateKind::kAttnKv, 10};
+  auto rr = core->Reserve({&ok, 1});
+  ASSERT_TRUE(rr.ok());
+  std::vector<CommitEntrySpec> ce = {{H(3), 0}};
+  auto out = core->Commit(rr->id, ce);
+  ASSERT_TRUE(out.ok());
+  EXPECT_EQ((*out)[0].status.code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvpool::pool_node

@@ -1,0 +1,346 @@
+// kvpool-node end to end over real loopback gRPC and UCX: the client library's puts and
+// gets through each tier, the wire errors, health, metrics and router events.
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+#include <httplib.h>
+
+#include <future>
+#include <thread>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kvpool/pool_node/client.h"
+#include "kvpool/pool_node/node_server.h"
+#include "kvpool/transport/transport.h"
+#include "kvpool/v1/pool.grpc.pb.h"
+#include "kvpool/v1/router.grpc.pb.h"
+#include "test_util.h"
+
+namespace kvpool::pool_node {
+namespace {
+
+using testing::H;
+using testing::Pattern;
+
+constexpr uint64_t kNodePage = 64 << 10;
+constexpr uint64_t kLocalPage = 32 << 10;  // differs from the node's on purpose
+
+// A real gRPC router endpoint that records what the node publishes.
+class RecordingRouter final : public v1::Router::Service {
+ public:
+  grpc::Status Register(grpc::ServerContext*, const v1::RegisterRequest* req, v1::RegisterResponse* resp) override {
+    absl::MutexLock l(&mu_);
+    ++registrations_;
+    kind_ = req->kind();
+    resp->set_heartbeat_interval_ms(100);
+    resp->set_next_sequence(1);
+    return grpc::Status::OK;
+  }
+  grpc::Status PublishEvents(grpc::ServerContext*, grpc::ServerReader<v1::EventBatch>* reader,
+                             v1::PublishEventsResponse*) override {
+    v1::EventBatch b;
+    while (reader->Read(&b)) {
+      absl::MutexLock l(&mu_);
+      batches_.push_back(b);
+    }
+    return grpc::Status::OK;
+  }
+  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest*, v1::HeartbeatResponse* resp) override {
+    absl::MutexLock l(&mu_);
+    if (ask_dump_) {
+      resp->set_full_dump_requested(true);
+      ask_dump_ = false;
+    }
+    return grpc::Status::OK;
+  }
+  void AskForDump() {
+    absl::MutexLock l(&mu_);
+    ask_dump_ = true;
+  }
+  // Waits (bounded) until `pred` holds over the batches received so far.
+  bool WaitFor(const std::function<bool(const std::vector<v1::EventBatch>&)>& pred) {
+    absl::MutexLock l(&mu_);
+    auto cond = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pred(batches_); };
+    return mu_.AwaitWithTimeout(absl::Condition(&cond), absl::Seconds(30));
+  }
+  std::vector<v1::EventBatch> batches() {
+    absl::MutexLock l(&mu_);
+    return batches_;
+  }
+  int registrations() {
+    absl::MutexLock l(&mu_);
+    return registrations_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<v1::EventBatch> batches_ ABSL_GUARDED_BY(mu_);
+  int registrations_ ABSL_GUARDED_BY(mu_) = 0;
+  v1::SourceKind kind_ ABSL_GUARDED_BY(mu_) = v1::SOURCE_KIND_UNSPECIFIED;
+  bool ask_dump_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+class ServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    grpc::ServerBuilder rb;
+    rb.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &router_port_);
+    rb.RegisterService(&router_);
+    router_server_ = rb.BuildAndStart();
+    ASSERT_NE(router_server_, nullptr);
+
+    NodeConfig cfg;
+    cfg.listen = "127.0.0.1:0";
+    cfg.router = "127.0.0.1:" + std::to_string(router_port_);
+    cfg.metrics_port = 0;
+    cfg.pool.node_id = "node-test";
+    cfg.pool.page_bytes = kNodePage;
+    cfg.pool.dram_bytes = 64 * kNodePage;  // 4 MiB
+    cfg.pool.nvme_dir = dir_.path();
+    cfg.pool.nvme_bytes = 256 * kNodePage;
+    cfg.pool.background = false;  // the test demotes explicitly
+    auto node = NodeServer::Start(cfg);
+    ASSERT_TRUE(node.ok()) << node.status();
+    node_ = std::move(*node);
+    address_ = "127.0.0.1:" + std::to_string(node_->port());
+
+    auto ctx = transport::Context::Create();
+    ASSERT_TRUE(ctx.ok()) << ctx.status();
+    auto worker = transport::Worker::Create(*ctx);
+    ASSERT_TRUE(worker.ok()) << worker.status();
+    worker_ = std::move(*worker);
+    auto arena = worker_->AllocateArena(256 * kLocalPage, kLocalPage);
+    ASSERT_TRUE(arena.ok()) << arena.status();
+    arena_ = *arena;
+    auto client = PoolClient::Connect({address_, "test-client", worker_.get(), arena_});
+    ASSERT_TRUE(client.ok()) << client.status();
+    client_ = std::move(*client);
+    stub_ = v1::PoolNode::NewStub(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
+  }
+  void TearDown() override {
+    client_.reset();
+    node_.reset();
+    if (router_server_) router_server_->Shutdown();
+  }
+
+  // Writes Pattern(seed) into local pages [first, first + n) and returns them.
+  std::vector<uint64_t> Stage(uint64_t seed, uint64_t length, uint64_t first) {
+    const std::string bytes = Pattern(seed, length);
+    std::vector<uint64_t> pages;
+    for (uint64_t off = 0, p = first; off < length; off += kLocalPage, ++p) {
+      std::memcpy(arena_->base() + p * kLocalPage, bytes.data() + off, std::min(kLocalPage, length - off));
+      pages.push_back(p);
+    }
+    return pages;
+  }
+  std::string LocalBytes(const std::vector<uint64_t>& pages, uint64_t length) {
+    std::string out;
+    for (uint64_t p : pages) {
+      const uint64_t n = std::min(kLocalPage, length - out.size());
+      out.append(reinterpret_cast<const char*>(arena_->base() + p * kLocalPage), n);
+    }
+    return out;
+  }
+
+  testing::TempDir dir_;
+  RecordingRouter router_;
+  int router_port_ = 0;
+  std::unique_ptr<grpc::Server> router_server_;
+  std::unique_ptr<NodeServer> node_;
+  std::string address_;
+  std::unique_ptr<transport::Worker> worker_;
+  std::shared_ptr<transport::Arena> arena_;
+  std::unique_ptr<PoolClient> client_;
+  std::unique_ptr<v1::PoolNode::Stub> stub_;
+};
+
+TEST_F(ServiceTest, PutLookupGetThroughDramAndNvmeIsByteExact) {
+  constexpr int kBlocks = 6;
+  const std::vector<uint64_t> lengths = {200'000, 65'536, 1, 150'001, 131'072, 99'999};
+  std::vector<PutItem> items;
+  std::optional<BlockHash> parent;
+  uint64_t next = 0;
+  for (int i = 0; i < kBlocks; ++i) {
+    auto pages = Stage(i, lengths[i], next);
+    next += pages.size();
+    items.push_back(PutItem{H(i), parent, StateKind::kAttnKv, pages, lengths[i]});
+    parent = H(i);
+  }
+  auto put = client_->Put(items);
+  ASSERT_TRUE(put.ok()) << put.status();
+  for (const auto& s : *put) EXPECT_TRUE(s.ok()) << s;
+  // Putting again: already present, nothing moves.
+  auto again = client_->Put(items);
+  ASSERT_TRUE(again.ok());
+
+  std::vector<BlockHash> chain;
+  for (int i = 0; i < kBlocks; ++i) chain.push_back(H(i));
+  chain.push_back(H(999));  // unknown: a miss, not an error
+  for (Tier expect : {Tier::kDram, Tier::kNvme}) {
+    if (expect == Tier::kNvme) {
+      ASSERT_EQ(node_->core().Demote(100), static_cast<size_t>(kBlocks));
+    }
+    auto lease = client_->Lookup(chain);
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    ASSERT_EQ(lease->prefix_blocks, static_cast<uint32_t>(kBlocks));
+    std::vector<std::vector<uint64_t>> dst;
+    uint64_t p = 128;
+    for (const RemoteObject& o : lease->objects) {
+      EXPECT_EQ(o.found_in, expect);
+      std::vector<uint64_t> pages;
+      for (uint64_t off = 0; off < o.length; off += kLocalPage) pages.push_back(p++);
+      // Poison the destination so stale bytes cannot pass.
+      for (uint64_t q : pages) std::memset(arena_->base() + q * kLocalPage, 0xCD, kLocalPage);
+      dst.push_back(pages);
+    }
+    ASSERT_TRUE(client_->Get(*lease, dst).ok());
+    for (int i = 0; i < kBlocks; ++i) {
+      EXPECT_TRUE(LocalBytes(dst[i], lengths[i]) == Pattern(i, lengths[i])) << "block " << i;
+    }
+    EXPECT_TRUE(client_->Release(lease->lease_id).ok());
+  }
+  auto stats = client_->GetStats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->promotions(), static_cast<uint64_t>(kBlocks));
+  EXPECT_EQ(stats->demotions(), static_cast<uint64_t>(kBlocks));
+  EXPECT_EQ(stats->tiers_size(), 2);
+
+  // The router saw a full dump, then every change with sequence 1, 2, 3, ...
+  ASSERT_TRUE(router_.WaitFor([&](const std::vector<v1::EventBatch>& bs) {
+    size_t n = 0;
+    for (const auto& b : bs) n += b.events_size();
+    return n >= static_cast<size_t>(kBlocks) * 4;  // stored DRAM, stored NVMe, removed DRAM, stored DRAM
+  }));
+  auto bs = router_.batches();
+  ASSERT_FALSE(bs.empty());
+  EXPECT_TRUE(bs[0].full_dump());
+  uint64_t seq = 0;
+  int nvme_stored = 0;
+  for (const auto& b : bs) {
+    EXPECT_EQ(b.source_id(), "node-test");
+    for (const auto& e : b.events()) {
+      EXPECT_EQ(e.sequence(), ++seq);
+      if (e.has_stored() && e.stored().tier() == v1::TIER_NVME) ++nvme_stored;
+    }
+  }
+  EXPECT_EQ(nvme_stored, kBlocks);
+
+  // Asked for a dump, the node re-registers and sends everything it holds.
+  router_.AskForDump();
+  ASSERT_TRUE(router_.WaitFor([](const std::vector<v1::EventBatch>& b) {
+    int dumps = 0;
+    for (const auto& x : b) dumps += x.full_dump();
+    return dumps >= 2;
+  }));
+  const auto all = router_.batches();
+  size_t last_dump = 0;
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (all[i].full_dump()) last_dump = i;
+  }
+  ASSERT_GT(last_dump, 0u);
+  // Every block is in DRAM (promoted) and on NVMe: 2 copies each.
+  EXPECT_EQ(all[last_dump].events_size(), 2 * kBlocks);
+  EXPECT_EQ(all[last_dump].events(0).sequence(), 1u);
+  EXPECT_GE(router_.registrations(), 2);
+}
+
+TEST_F(ServiceTest, WireErrorsNameFieldsAndCodes) {
+  grpc::ClientContext c1;
+  v1::LookupRequest lreq;
+  lreq.add_block_hashes("short");
+  lreq.set_kind(v1::STATE_KIND_ATTN_KV);
+  v1::LookupResponse lresp;
+  grpc::Status s = stub_->Lookup(&c1, lreq, &lresp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), ::testing::HasSubstr("block_hashes[0]"));
+
+  grpc::ClientContext c2;
+  v1::ReserveRequest rreq;
+  auto* e = rreq.add_entries();
+  e->set_block_hash(H(1).ToBytes());
+  e->set_kind(v1::STATE_KIND_ATTN_KV);
+  e->set_length(65 * kNodePage);  // more than the whole DRAM tier
+  v1::ReserveResponse rresp;
+  s = stub_->Reserve(&c2, rreq, &rresp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+
+  grpc::ClientContext c3;
+  e->set_length(1000);
+  e->set_kind(v1::STATE_KIND_UNSPECIFIED);
+  s = stub_->Reserve(&c3, rreq, &rresp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), ::testing::HasSubstr("entries[0].kind"));
+
+  // Checksum mismatch: DATA_LOSS for that entry, pages freed.
+  grpc::ClientContext c4;
+  e->set_kind(v1::STATE_KIND_ATTN_KV);
+  s = stub_->Reserve(&c4, rreq, &rresp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  grpc::ClientContext c5;
+  v1::CommitRequest creq;
+  creq.set_reservation_id(rresp.reservation_id());
+  auto* ce = creq.add_entries();
+  ce->set_block_hash(H(1).ToBytes());
+  ce->set_checksum(12345);
+  v1::CommitResponse cresp;
+  s = stub_->Commit(&c5, creq, &cresp);
+  ASSERT_TRUE(s.ok());
+  ASSERT_EQ(cresp.results_size(), 1);
+  EXPECT_EQ(cresp.results(0).code(), static_cast<int>(grpc::StatusCode::DATA_LOSS));
+  auto stats = client_->GetStats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->checksum_failures(), 1u);
+  EXPECT_EQ(stats->reserved_bytes(), 0u);
+  EXPECT_EQ(stats->tiers(0).used_bytes(), 0u);
+
+  grpc::ClientContext c6;
+  v1::ReleaseRequest rel;
+  rel.set_lease_id(777);
+  v1::ReleaseResponse relr;
+  EXPECT_EQ(stub_->Release(&c6, rel, &relr).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(ServiceTest, HealthAndMetricsAreServed) {
+  grpc::GenericStub generic(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  grpc::ByteBuffer req, resp;  // HealthCheckRequest{service: ""} is empty on the wire
+  grpc::Slice empty("");
+  req = grpc::ByteBuffer(&empty, 1);
+  std::promise<grpc::Status> done;
+  generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &req, &resp,
+                    [&](grpc::Status s) { done.set_value(s); });
+  grpc::Status s = done.get_future().get();
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(resp.Dump(&slices).ok());
+  std::string bytes;
+  for (auto& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  EXPECT_EQ(bytes, std::string("\x08\x01", 2));  // status: SERVING
+
+  httplib::Client http("127.0.0.1", node_->metrics_port());
+  auto r = http.Get("/metrics");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+  EXPECT_THAT(r->body, ::testing::HasSubstr("kvpool_pool_capacity_bytes{tier=\"dram\"} 4194304"));
+  EXPECT_THAT(r->body, ::testing::HasSubstr("kvpool_pool_rpcs_total"));
+}
+
+TEST_F(ServiceTest, GetAfterLeaseExpiryFailsCleanly) {
+  auto pages = Stage(5, 70'000, 0);
+  auto put = client_->Put(std::vector<PutItem>{{H(5), std::nullopt, StateKind::kAttnKv, pages, 70'000}});
+  ASSERT_TRUE(put.ok() && (*put)[0].ok());
+  auto lease = client_->Lookup(std::vector<BlockHash>{H(5)}, StateKind::kAttnKv, /*lease_ms=*/1);
+  ASSERT_TRUE(lease.ok());
+  ASSERT_EQ(lease->prefix_blocks, 1u);
+  // Wait until the lease's end has passed (a precondition, not a timing assertion).
+  while (std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch()).count() <= lease->expires_unix_ms) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  std::vector<std::vector<uint64_t>> dst = {{100, 101, 102}};
+  EXPECT_EQ(client_->Get(*lease, dst).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(client_->Release(lease->lease_id).code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace kvpool::pool_node
