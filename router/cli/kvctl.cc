@@ -10,6 +10,10 @@ int RunKvctl(const std::vector<std::string>& args, std::ostream& out, std::ostre
   app.require_subcommand(1);
   Io io{&out, &err};
   AddCalcCommands(app, io);
+  AddHealthCommands(app, io);
+  AddRouteCommands(app, io);
+  AddSimulateCommands(app, io);
+  AddReplayCommands(app, io);
 
   std::vector<std::string> rev(args.rbegin(), args.rend() - (args.empty() ? 0 : 1));
   try {

@@ -29,4 +29,16 @@ struct Io {
 // Registers `kvctl calc kv|util|ttft`.
 void AddCalcCommands(CLI::App& app, Io& io);
 
+// Registers `kvctl health` (grpc.health.v1 probe).
+void AddHealthCommands(CLI::App& app, Io& io);
+
+// Registers `kvctl route` and `kvctl status` (talk to a running kvpool-router).
+void AddRouteCommands(CLI::App& app, Io& io);
+
+// Registers `kvctl simulate` (router/sim: the cluster simulator over a trace).
+void AddSimulateCommands(CLI::App& app, Io& io);
+
+// Registers `kvctl replay` (drive a live loopback/test cluster with a trace).
+void AddReplayCommands(CLI::App& app, Io& io);
+
 }  // namespace kvpool::kvctl

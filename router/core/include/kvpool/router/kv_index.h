@@ -1,0 +1,184 @@
+// KvIndex: which sources hold which blocks, and the longest prefix each can reuse.
+//
+// The index maps a block hash to its holders: workers holding it on GPU (a bitmask of
+// source slots) and sources holding it in DRAM/NVMe (pool nodes, or a worker's own host
+// tier). A lookup walks a request's hash chain once:
+//
+//   chain:     h0   h1   h2   h3   h4   (h5 not in the index: the walk stops)
+//   w0 GPU:    x    x    x    .    x    -> gpu prefix 3 (h4 is unreachable without h3)
+//   w1 GPU:    x    .    x              -> gpu prefix 1
+//   pool:      x    x    x    x    .    -> pool prefix 4; w0 reuses 3 from GPU + 1 from pool
+//
+// The contract is Dynamo's indexer's, narrowed: ApplyBatch/ApplyEvent (per-source
+// events in sequence order), FindMatches, RemoveSource, Dump.
+//
+// Invariants:
+//  1. Events of a source apply in sequence order: the event after `last_sequence` must
+//     be last_sequence + 1; older ones are duplicates and are skipped.
+//  2. A gap marks the source stale: later non-dump batches are ignored (counted) until
+//     a full dump arrives; the source's entries are kept meanwhile.
+//  3. A full dump replaces everything the index attributes to the source.
+//  4. entries() <= max_entries after every call: above it, the index prunes leaf blocks
+//     (no stored child) first, oldest first (last stored or looked up), to
+//     max_entries * (1 - prune_fraction).
+//
+// LINEAR_STATE (KDA checkpoint) objects are kept under a key derived from the boundary
+// block's hash, so they never match as KV; see HasState.
+//
+// Cost: FindMatches is one hash probe per block plus one AND per 64 sources per block;
+// RemoveSource, cleared events, full dumps and Dump scan the whole index (O(entries)).
+//
+// Thread safety: none. A KvIndex is owned by one thread or guarded by its owner's mutex
+// (RouterCore's owner holds one). FindMatches mutates (it refreshes entry ages).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
+#include "kvpool/common/hash.h"
+#include "kvpool/router/events.h"
+
+namespace kvpool::router {
+
+// Dense id of a source inside the index; RouterCore reuses freed slots.
+using SourceSlot = uint32_t;
+
+struct GpuMatch {
+  SourceSlot source;
+  uint32_t blocks;  // leading blocks of the request on the source's GPU, > 0
+  friend bool operator==(const GpuMatch&, const GpuMatch&) = default;
+};
+
+// A run of the request's blocks on one holder.
+struct PoolRun {
+  SourceSlot holder;
+  Tier tier;  // kDram or kNvme
+  uint32_t first_block;
+  uint32_t num_blocks;
+};
+
+struct MatchResult {
+  uint32_t walked_blocks = 0;    // leading blocks present anywhere in the index
+  std::vector<GpuMatch> gpu;     // sources with a GPU prefix > 0, ascending by source
+  std::vector<uint8_t> in_pool;  // [walked_blocks]: tiers (bit 1 << Tier) held in DRAM/NVMe, 0 = none
+  uint32_t pool_prefix = 0;      // leading blocks resident in DRAM/NVMe
+
+  // Blocks resident in DRAM/NVMe from block `first` on (contiguous), 0 past the walk.
+  uint32_t PoolRunFrom(uint32_t first) const;
+  // GPU prefix of `source` (0 when absent). O(gpu.size()).
+  uint32_t GpuBlocks(SourceSlot source) const;
+  void Clear();
+};
+
+struct ApplyResult {
+  uint64_t applied = 0;     // events applied
+  uint64_t duplicates = 0;  // events at or below last_sequence, skipped
+  uint64_t ignored = 0;     // events dropped because the source is (or became) stale
+  bool gap = false;         // this batch revealed a gap
+  bool full_dump_requested = false;  // the source is stale after this batch
+  uint64_t last_sequence = 0;
+};
+
+class KvIndex {
+ public:
+  struct Options {
+    size_t max_entries = 1u << 24;  // (hash, holder) pairs; > 0
+    double prune_fraction = 0.1;    // prune this much below max_entries, (0, 1)
+  };
+
+  KvIndex() : KvIndex(Options{}) {}
+  explicit KvIndex(Options options);
+
+  // Starts (or restarts) a source at slot: drops its entries, last_sequence = 0, not stale.
+  void ResetSource(SourceSlot slot);
+  // Drops a source's entries and forgets it. O(entries).
+  void RemoveSource(SourceSlot slot);
+
+  // Applies one batch of `slot`'s events (invariants 1-3). REQUIRES: ResetSource(slot) ran.
+  ApplyResult ApplyBatch(SourceSlot slot, const EventBatch& batch);
+  // Applies one event ignoring sequence numbers (the indexer contract's apply_event).
+  void ApplyEvent(SourceSlot slot, const KvEvent& event);
+
+  // Direct mutations (no sequence check): approximate mode and the simulator use these.
+  void Store(SourceSlot slot, const BlockHash& parent, std::span<const BlockHash> hashes, Tier tier,
+             StateKind kind = StateKind::kAttnKv);
+  void Remove(SourceSlot slot, std::span<const BlockHash> hashes, Tier tier,
+              StateKind kind = StateKind::kAttnKv);
+  void ClearSource(SourceSlot slot);
+
+  // Walks `hashes` (a chain, block 0 first). Reuses `out`'s buffers.
+  void FindMatches(std::span<const BlockHash> hashes, MatchResult* out);
+  MatchResult FindMatches(std::span<const BlockHash> hashes) {
+    MatchResult r;
+    FindMatches(hashes, &r);
+    return r;
+  }
+  // Where blocks [first, first + num) of `hashes` live in DRAM/NVMe: one holder per block,
+  // preferring DRAM, then the previous block's holder; merged into runs.
+  std::vector<PoolRun> PoolLocations(std::span<const BlockHash> hashes, uint32_t first,
+                                     uint32_t num) const;
+  // Whether the KDA checkpoint at boundary block `h` is on `slot`'s GPU / in DRAM/NVMe.
+  bool HasState(const BlockHash& h, SourceSlot slot) const;
+  bool PoolHasState(const BlockHash& h) const;
+
+  // Everything `slot` holds as a full-dump batch (stored events of one block each,
+  // unordered; dump_sequence = last_sequence). O(entries).
+  EventBatch Dump(SourceSlot slot) const;
+
+  size_t entries() const { return entries_; }     // (hash, holder) pairs
+  size_t blocks() const { return map_.size(); }   // distinct keys
+  size_t source_entries(SourceSlot slot) const;
+  uint64_t last_sequence(SourceSlot slot) const;
+  bool stale(SourceSlot slot) const;
+  uint64_t pruned_entries() const { return pruned_; }
+  size_t max_entries() const { return options_.max_entries; }
+  // Memory the index uses: table slots + out-of-line holder lists. O(blocks).
+  size_t MemoryBytes() const;
+
+ private:
+  struct GpuWord {
+    uint32_t word;  // sources [64*word, 64*word + 64)
+    uint64_t bits;
+  };
+  struct PoolHolder {
+    SourceSlot slot;
+    uint8_t tiers;  // bit (1 << Tier)
+  };
+  struct Entry {
+    BlockHash parent;          // chain predecessor, zero for a chain start or a state key
+    uint64_t last_used = 0;    // tick_ of the last store or lookup
+    uint32_t num_children = 0; // entries created while this one existed, naming it parent
+    bool is_state = false;     // a LINEAR_STATE key (derived from the block hash)
+    absl::InlinedVector<GpuWord, 1> gpu;      // sorted by word
+    absl::InlinedVector<PoolHolder, 1> pool;  // few: pool nodes
+    bool empty() const { return gpu.empty() && pool.empty(); }
+  };
+  struct SourceState {
+    bool present = false;
+    bool stale = false;
+    uint64_t last_sequence = 0;
+    size_t entries = 0;
+  };
+  using Map = absl::flat_hash_map<BlockHash, Entry, BlockHashHasher>;
+
+  static BlockHash StateKey(const BlockHash& h);
+  SourceState& Source(SourceSlot slot);
+  // Adds/removes one holder of `e`; returns whether a (hash, holder) pair was added/removed.
+  bool AddHolder(Entry& e, SourceSlot slot, Tier tier);
+  bool RemoveHolder(Entry& e, SourceSlot slot, Tier tier);
+  bool RemoveAllHolders(Entry& e, SourceSlot slot);
+  void EraseEntry(Map::iterator it);
+  void MaybePrune();
+
+  Options options_;
+  Map map_;
+  std::vector<SourceState> sources_;  // by slot
+  size_t entries_ = 0;
+  uint64_t tick_ = 0;
+  uint64_t pruned_ = 0;
+};
+
+}  // namespace kvpool::router

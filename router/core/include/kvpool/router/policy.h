@@ -1,0 +1,129 @@
+// Routing policies: pick one candidate instance for a request.
+//
+// RouterCore fills one Candidate per live worker of the request's model (GPU hit, pool
+// hit beyond it, load, estimated TTFT) and asks a Policy for an index into them.
+//
+//   random        uniform
+//   round_robin   in turn
+//   least_load    fewest requests (running + waiting + in flight), then fewest queued tokens
+//   power_of_two  two distinct random candidates, the less loaded
+//   session       sticky by session id; a new or orphaned session goes to least_load
+//   cache_aware   argmax w1 * gpu_hit/total_blocks - w2 * load/max_load, among
+//                 candidates below the herding cap (see PolicyParams)
+//   ttft          argmin estimated TTFT = queue + transfer(pool part) + prefill(rest)
+//
+// Ties go to the lower load, then the lower slot, so results are deterministic for a seed.
+//
+// Thread safety: none (round_robin's counter, the rng and the session map mutate).
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "kvpool/router/kv_index.h"
+
+namespace kvpool::router {
+
+enum class PolicyKind : uint8_t {
+  kRandom,
+  kRoundRobin,
+  kLeastLoad,
+  kPowerOfTwo,
+  kSession,
+  kCacheAware,
+  kTtft,
+};
+inline constexpr int kNumPolicies = 7;
+
+absl::string_view PolicyName(PolicyKind kind);
+// INVALID_ARGUMENT listing the known names.
+absl::StatusOr<PolicyKind> ParsePolicy(absl::string_view name);
+std::vector<std::string> PolicyNames();
+
+struct Candidate {
+  SourceSlot slot = 0;
+  uint32_t gpu_blocks = 0;   // effective prefix blocks on the instance's GPU
+  uint32_t pool_blocks = 0;  // further prefix blocks fetched from DRAM/NVMe
+  double load = 0;           // requests: running + waiting + in flight
+  uint64_t queued_tokens = 0;
+  double est_ttft_s = 0;     // queue + transfer + prefill (+ KDA replay)
+};
+
+struct PolicyParams {
+  double overlap_weight = 1.0;  // w1
+  double load_weight = 1.0;     // w2
+  // Anti-herding: cache_aware only considers candidates whose load after taking this
+  // request stays <= balance_rel * mean_load + balance_abs. A shared system prompt makes
+  // every instance with it score the same overlap; without the cap the first to cache it
+  // takes every request until its load term outweighs a full overlap.
+  double balance_rel = 1.25;
+  double balance_abs = 1.0;
+  size_t max_sessions = 1 << 20;  // session map bound; the oldest half is dropped beyond it
+};
+
+class Policy {
+ public:
+  Policy(PolicyParams params, uint64_t seed) : params_(params), rng_(seed) {}
+
+  // Index into `candidates` of the chosen one. REQUIRES: !candidates.empty().
+  // `instance_id(slot)` names a slot (for the session map, which outlives slots).
+  template <typename IdOf>
+  size_t Choose(PolicyKind kind, std::span<const Candidate> candidates, uint32_t total_blocks,
+                absl::string_view session_id, const IdOf& instance_id);
+
+  size_t LeastLoad(std::span<const Candidate> c) const;
+  size_t CacheAware(std::span<const Candidate> c, uint32_t total_blocks) const;
+  size_t Ttft(std::span<const Candidate> c) const;
+  size_t Random(std::span<const Candidate> c);
+  size_t RoundRobin(std::span<const Candidate> c) { return rr_++ % c.size(); }
+  size_t PowerOfTwo(std::span<const Candidate> c);
+  size_t sessions() const { return sessions_.size(); }
+
+ private:
+  void RememberSession(absl::string_view session_id, std::string instance_id);
+
+  PolicyParams params_;
+  std::mt19937_64 rng_;
+  uint64_t rr_ = 0;
+  struct Sticky {
+    std::string instance_id;
+    uint64_t last_use;
+  };
+  absl::flat_hash_map<std::string, Sticky> sessions_;
+  uint64_t session_clock_ = 0;
+};
+
+template <typename IdOf>
+size_t Policy::Choose(PolicyKind kind, std::span<const Candidate> c, uint32_t total_blocks,
+                      absl::string_view session_id, const IdOf& instance_id) {
+  switch (kind) {
+    case PolicyKind::kRandom: return Random(c);
+    case PolicyKind::kRoundRobin: return RoundRobin(c);
+    case PolicyKind::kLeastLoad: return LeastLoad(c);
+    case PolicyKind::kPowerOfTwo: return PowerOfTwo(c);
+    case PolicyKind::kCacheAware: return CacheAware(c, total_blocks);
+    case PolicyKind::kTtft: return Ttft(c);
+    case PolicyKind::kSession: {
+      if (session_id.empty()) return LeastLoad(c);
+      auto it = sessions_.find(session_id);
+      if (it != sessions_.end()) {
+        it->second.last_use = ++session_clock_;
+        for (size_t i = 0; i < c.size(); ++i) {
+          if (instance_id(c[i].slot) == it->second.instance_id) return i;
+        }
+      }
+      const size_t i = LeastLoad(c);  // new session, or its instance is gone
+      RememberSession(session_id, std::string(instance_id(c[i].slot)));
+      return i;
+    }
+  }
+  return 0;
+}
+
+}  // namespace kvpool::router

@@ -1,0 +1,122 @@
+#include "kvpool/router/policy.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace kvpool::router {
+
+namespace {
+constexpr PolicyKind kAll[] = {PolicyKind::kRandom,     PolicyKind::kRoundRobin, PolicyKind::kLeastLoad,
+                               PolicyKind::kPowerOfTwo, PolicyKind::kSession,    PolicyKind::kCacheAware,
+                               PolicyKind::kTtft};
+
+// a is better than b on load: fewer requests, then fewer queued tokens, then lower slot.
+bool LessLoaded(const Candidate& a, const Candidate& b) {
+  if (a.load != b.load) return a.load < b.load;
+  if (a.queued_tokens != b.queued_tokens) return a.queued_tokens < b.queued_tokens;
+  return a.slot < b.slot;
+}
+}  // namespace
+
+absl::string_view PolicyName(PolicyKind kind) {
+  switch (kind) {
+    case PolicyKind::kRandom: return "random";
+    case PolicyKind::kRoundRobin: return "round_robin";
+    case PolicyKind::kLeastLoad: return "least_load";
+    case PolicyKind::kPowerOfTwo: return "power_of_two";
+    case PolicyKind::kSession: return "session";
+    case PolicyKind::kCacheAware: return "cache_aware";
+    case PolicyKind::kTtft: return "ttft";
+  }
+  return "unknown";
+}
+
+std::vector<std::string> PolicyNames() {
+  std::vector<std::string> names;
+  for (PolicyKind k : kAll) names.emplace_back(PolicyName(k));
+  return names;
+}
+
+absl::StatusOr<PolicyKind> ParsePolicy(absl::string_view name) {
+  for (PolicyKind k : kAll) {
+    if (PolicyName(k) == name) return k;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("policy=\"", name, "\" is not a policy; use one of ",
+                                                 absl::StrJoin(PolicyNames(), ", ")));
+}
+
+size_t Policy::LeastLoad(std::span<const Candidate> c) const {
+  size_t best = 0;
+  for (size_t i = 1; i < c.size(); ++i) {
+    if (LessLoaded(c[i], c[best])) best = i;
+  }
+  return best;
+}
+
+size_t Policy::Random(std::span<const Candidate> c) {
+  return std::uniform_int_distribution<size_t>(0, c.size() - 1)(rng_);
+}
+
+size_t Policy::PowerOfTwo(std::span<const Candidate> c) {
+  if (c.size() == 1) return 0;
+  const size_t a = std::uniform_int_distribution<size_t>(0, c.size() - 1)(rng_);
+  size_t b = std::uniform_int_distribution<size_t>(0, c.size() - 2)(rng_);
+  if (b >= a) ++b;
+  return LessLoaded(c[b], c[a]) ? b : a;
+}
+
+size_t Policy::CacheAware(std::span<const Candidate> c, uint32_t total_blocks) const {
+  double mean = 0, max_load = 0;
+  for (const Candidate& x : c) {
+    mean += x.load;
+    max_load = std::max(max_load, x.load);
+  }
+  mean /= static_cast<double>(c.size());
+  // The herding cap: an instance may take this request only if its load stays near the
+  // mean. When every candidate is above it (cannot happen for the least loaded one, whose
+  // load is <= mean), all are eligible.
+  const double cap = mean * params_.balance_rel + params_.balance_abs;
+  const double total = std::max<uint32_t>(total_blocks, 1);
+  const double load_norm = std::max(max_load, 1.0);
+  size_t best = c.size();
+  double best_score = 0;
+  for (size_t i = 0; i < c.size(); ++i) {
+    if (c[i].load + 1.0 > cap) continue;
+    const double score = params_.overlap_weight * (c[i].gpu_blocks / total) -
+                         params_.load_weight * (c[i].load / load_norm);
+    if (best == c.size() || score > best_score ||
+        (score == best_score && LessLoaded(c[i], c[best]))) {
+      best = i;
+      best_score = score;
+    }
+  }
+  return best == c.size() ? LeastLoad(c) : best;
+}
+
+size_t Policy::Ttft(std::span<const Candidate> c) const {
+  size_t best = 0;
+  for (size_t i = 1; i < c.size(); ++i) {
+    if (c[i].est_ttft_s < c[best].est_ttft_s ||
+        (c[i].est_ttft_s == c[best].est_ttft_s && LessLoaded(c[i], c[best]))) {
+      best = i;
+    }
+  }
+  return best;
+}
+
+void Policy::RememberSession(absl::string_view session_id, std::string instance_id) {
+  if (sessions_.size() >= params_.max_sessions) {
+    // Drop the older half: O(n) once per max_sessions/2 new sessions.
+    std::vector<uint64_t> uses;
+    uses.reserve(sessions_.size());
+    for (const auto& [k, v] : sessions_) uses.push_back(v.last_use);
+    std::nth_element(uses.begin(), uses.begin() + static_cast<ptrdiff_t>(uses.size() / 2), uses.end());
+    const uint64_t median = uses[uses.size() / 2];
+    absl::erase_if(sessions_, [&](const auto& kv) { return kv.second.last_use < median; });
+  }
+  sessions_[std::string(session_id)] = Sticky{std::move(instance_id), ++session_clock_};
+}
+
+}  // namespace kvpool::router

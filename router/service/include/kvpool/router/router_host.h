@@ -1,0 +1,104 @@
+// RouterHost: RouterCore made safe to share between RPC threads, with bounded event
+// queues, a maintenance loop and Prometheus metrics. No gRPC types: the gRPC service
+// (router_service.cc) only converts protos and delegates here.
+//
+// Events do not apply on RPC threads. A stream hands its batch to Enqueue and gets a
+// callback once it is applied; the stream reads its next batch only then, so each stream
+// has at most one batch queued (gRPC flow control pushes back on the sender) and at most
+// max_streams streams exist. One applier thread drains the queue in arrival order and
+// applies non-dump batches in slices of apply_slice_events events, releasing the core
+// lock between slices: a flood of events from one source delays Route by at most one
+// slice.
+//
+//   stream ─Enqueue─► [queue ≤ max_streams batches] ─applier─► core (slices) ─► done(result)
+//   Route ───────────────────────────────────────────────────► core (one lock hold)
+//
+// Thread safety: all public methods are thread-safe and never block for longer than one
+// core operation (one Route, or one slice of events).
+#pragma once
+
+#include <deque>
+#include <functional>
+#include <memory>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "kvpool/metrics/metrics.h"
+#include "kvpool/router/router_core.h"
+
+namespace kvpool::router {
+
+struct RouterHostOptions {
+  RouterOptions core;
+  size_t max_streams = 1024;          // concurrent PublishEvents streams
+  size_t apply_slice_events = 256;    // events applied per core lock hold
+  absl::Duration tick_interval = absl::Milliseconds(100);
+};
+
+class RouterHost {
+ public:
+  using Clock = std::function<absl::Time()>;
+  using Done = std::function<void(absl::StatusOr<EventsResult>)>;
+
+  // `metrics` may be null; otherwise it must outlive the host. `clock` defaults to absl::Now.
+  static absl::StatusOr<std::unique_ptr<RouterHost>> Create(RouterHostOptions options,
+                                                            MetricsRegistry* metrics, Clock clock = nullptr);
+  ~RouterHost();  // stops the applier; pending batches complete with UNAVAILABLE
+
+  const RouterCore& core_for_hashing() const { return *core_; }  // only its const, thread-safe part
+  const RouterHostOptions& options() const { return options_; }
+
+  absl::StatusOr<RouteDecision> Route(const RouteInput& in);
+  absl::Status Register(const SourceInfo& info);
+  HeartbeatResult Heartbeat(absl::string_view source_id, const InstanceLoad& load,
+                            std::span<const uint64_t> completed);
+  RouterStatsSnapshot Stats();
+
+  // Stream bookkeeping: RESOURCE_EXHAUSTED beyond max_streams.
+  absl::Status OpenStream();
+  void CloseStream();
+  // Queues one batch; `done` runs on the applier thread once it is applied (or failed).
+  void Enqueue(std::string source_id, EventBatch batch, Done done);
+
+ private:
+  struct Work {
+    std::string source_id;
+    EventBatch batch;
+    Done done;
+    absl::Time enqueued;
+  };
+  RouterHost(RouterHostOptions options, MetricsRegistry* metrics, Clock clock);
+  void ApplierLoop();
+  absl::StatusOr<EventsResult> Apply(Work& w);
+  void RefreshGauges();
+
+  const RouterHostOptions options_;
+  MetricsRegistry* const metrics_;
+  const Clock clock_;
+  std::unique_ptr<RouterCore> core_;  // set in Create; guarded by core_mu_ (except const hashing)
+
+  absl::Mutex core_mu_;  // held for one core call
+
+  absl::Mutex queue_mu_;
+  std::deque<Work> queue_ ABSL_GUARDED_BY(queue_mu_);
+  size_t streams_ ABSL_GUARDED_BY(queue_mu_) = 0;
+  bool stop_ ABSL_GUARDED_BY(queue_mu_) = false;
+
+  // Metrics (owned by the registry).
+  Counter* decisions_[kNumPolicies] = {};
+  Counter* hit_gpu_ = nullptr;
+  Counter* hit_pool_ = nullptr;
+  Counter* requested_blocks_ = nullptr;
+  Counter* route_errors_ = nullptr;
+  Counter* events_applied_ = nullptr;
+  Counter* dropped_sources_ = nullptr;
+  Histogram* event_lag_ = nullptr;
+  Histogram* route_latency_ = nullptr;
+  Gauge* queued_batches_ = nullptr;
+
+  std::thread applier_;  // last: starts after everything above exists
+};
+
+}  // namespace kvpool::router

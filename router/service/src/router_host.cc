@@ -1,0 +1,218 @@
+#include "kvpool/router/router_host.h"
+
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "kvpool/common/status.h"
+
+namespace kvpool::router {
+
+absl::StatusOr<std::unique_ptr<RouterHost>> RouterHost::Create(RouterHostOptions options,
+                                                              MetricsRegistry* metrics, Clock clock) {
+  if (options.max_streams == 0 || options.apply_slice_events == 0) {
+    return absl::InvalidArgumentError("max_streams and apply_slice_events must be > 0");
+  }
+  ASSIGN_OR_RETURN(auto core, RouterCore::Create(options.core));
+  auto host = std::unique_ptr<RouterHost>(new RouterHost(std::move(options), metrics, std::move(clock)));
+  host->core_ = std::move(core);
+  if (metrics != nullptr) {
+    for (int k = 0; k < kNumPolicies; ++k) {
+      host->decisions_[k] = &metrics->GetCounter("kvpool_router_decisions_total", "Routing decisions by policy",
+                                                 {{"policy", std::string(PolicyName(static_cast<PolicyKind>(k)))}});
+    }
+    host->hit_gpu_ = &metrics->GetCounter("kvpool_router_predicted_hit_blocks_total",
+                                          "Prefix blocks predicted reusable at the chosen instance",
+                                          {{"tier", "gpu"}});
+    host->hit_pool_ = &metrics->GetCounter("kvpool_router_predicted_hit_blocks_total",
+                                           "Prefix blocks predicted reusable at the chosen instance",
+                                           {{"tier", "pool"}});
+    host->requested_blocks_ =
+        &metrics->GetCounter("kvpool_router_requested_blocks_total", "Full blocks in routed requests");
+    host->route_errors_ = &metrics->GetCounter("kvpool_router_route_errors_total", "Route calls that failed");
+    host->events_applied_ = &metrics->GetCounter("kvpool_router_events_applied_total", "KV events applied");
+    host->dropped_sources_ =
+        &metrics->GetCounter("kvpool_router_dropped_sources_total", "Sources dropped for missed heartbeats");
+    host->event_lag_ = &metrics->GetHistogram("kvpool_router_event_lag_seconds",
+                                              "Time from receiving an event batch to applying it",
+                                              Histogram::ExponentialBounds(1e-5, 4, 10));
+    host->route_latency_ = &metrics->GetHistogram("kvpool_router_route_core_seconds",
+                                                  "Time Route spends in the core (lock wait included)",
+                                                  Histogram::ExponentialBounds(1e-6, 4, 10));
+    host->queued_batches_ = &metrics->GetGauge("kvpool_router_queued_event_batches", "Event batches waiting");
+    RouterHost* h = host.get();
+    metrics->AddScrapeHook([h] { h->RefreshGauges(); });
+  }
+  host->applier_ = std::thread([h = host.get()] { h->ApplierLoop(); });
+  return host;
+}
+
+RouterHost::RouterHost(RouterHostOptions options, MetricsRegistry* metrics, Clock clock)
+    : options_(std::move(options)),
+      metrics_(metrics),
+      clock_(clock ? std::move(clock) : Clock([] { return absl::Now(); })) {}
+
+RouterHost::~RouterHost() {
+  {
+    absl::MutexLock l(&queue_mu_);
+    stop_ = true;
+  }
+  if (applier_.joinable()) applier_.join();
+  std::deque<Work> left;
+  {
+    absl::MutexLock l(&queue_mu_);
+    left.swap(queue_);
+  }
+  for (Work& w : left) w.done(absl::UnavailableError("router is shutting down; reconnect and resend"));
+}
+
+void RouterHost::RefreshGauges() {
+  const RouterStatsSnapshot s = Stats();
+  metrics_->GetGauge("kvpool_router_index_entries", "(hash, holder) pairs in the index")
+      .Set(static_cast<double>(s.index_entries));
+  metrics_->GetGauge("kvpool_router_index_bytes", "Memory the index uses").Set(static_cast<double>(s.index_bytes));
+  metrics_->GetGauge("kvpool_router_index_bytes_per_entry", "Index bytes per (hash, holder) pair")
+      .Set(s.index_entries > 0 ? static_cast<double>(s.index_bytes) / static_cast<double>(s.index_entries) : 0);
+  metrics_->GetGauge("kvpool_router_index_pruned_entries", "Entries pruned to respect --max-index-entries")
+      .Set(static_cast<double>(s.pruned_entries));
+  size_t workers = 0, stale = 0;
+  for (const SourceStats& x : s.sources) {
+    workers += x.kind == SourceKind::kWorker;
+    stale += x.stale;
+  }
+  metrics_->GetGauge("kvpool_router_sources", "Registered sources", {{"kind", "worker"}})
+      .Set(static_cast<double>(workers));
+  metrics_->GetGauge("kvpool_router_sources", "Registered sources", {{"kind", "pool_node"}})
+      .Set(static_cast<double>(s.sources.size() - workers));
+  metrics_->GetGauge("kvpool_router_stale_sources", "Sources waiting for a full dump").Set(static_cast<double>(stale));
+}
+
+absl::StatusOr<RouteDecision> RouterHost::Route(const RouteInput& in) {
+  const absl::Time start = clock_();
+  absl::StatusOr<RouteDecision> d;
+  {
+    absl::MutexLock l(&core_mu_);
+    d = core_->Route(in, clock_());
+  }
+  if (metrics_ != nullptr) {
+    route_latency_->Observe(absl::ToDoubleSeconds(clock_() - start));
+    if (d.ok()) {
+      decisions_[static_cast<int>(d->policy)]->Increment();
+      hit_gpu_->Increment(d->gpu_hit_blocks);
+      hit_pool_->Increment(d->pool_hit_blocks);
+      requested_blocks_->Increment(d->total_blocks);
+    } else {
+      route_errors_->Increment();
+    }
+  }
+  return d;
+}
+
+absl::Status RouterHost::Register(const SourceInfo& info) {
+  absl::MutexLock l(&core_mu_);
+  return core_->Register(info, clock_());
+}
+
+HeartbeatResult RouterHost::Heartbeat(absl::string_view source_id, const InstanceLoad& load,
+                                      std::span<const uint64_t> completed) {
+  absl::MutexLock l(&core_mu_);
+  return core_->Heartbeat(source_id, load, completed, clock_());
+}
+
+RouterStatsSnapshot RouterHost::Stats() {
+  absl::MutexLock l(&core_mu_);
+  return core_->Stats(clock_());
+}
+
+absl::Status RouterHost::OpenStream() {
+  absl::MutexLock l(&queue_mu_);
+  if (stop_) return absl::UnavailableError("router is shutting down");
+  if (streams_ >= options_.max_streams) {
+    return absl::ResourceExhaustedError(absl::StrCat("router already has ", streams_,
+                                                     " event streams open (max_streams); retry later"));
+  }
+  ++streams_;
+  return absl::OkStatus();
+}
+
+void RouterHost::CloseStream() {
+  absl::MutexLock l(&queue_mu_);
+  --streams_;
+}
+
+void RouterHost::Enqueue(std::string source_id, EventBatch batch, Done done) {
+  {
+    absl::MutexLock l(&queue_mu_);
+    if (!stop_) {
+      queue_.push_back(Work{std::move(source_id), std::move(batch), std::move(done), clock_()});
+      if (queued_batches_ != nullptr) queued_batches_->Set(static_cast<double>(queue_.size()));
+      return;
+    }
+  }
+  done(absl::UnavailableError("router is shutting down; reconnect and resend"));
+}
+
+absl::StatusOr<EventsResult> RouterHost::Apply(Work& w) {
+  const EventBatch& b = w.batch;
+  if (b.full_dump || b.events.size() <= options_.apply_slice_events) {
+    absl::MutexLock l(&core_mu_);
+    return core_->ApplyEvents(w.source_id, b, clock_());
+  }
+  // Validate everything first, so a bad event late in the batch applies nothing.
+  {
+    absl::MutexLock l(&core_mu_);
+    RETURN_IF_ERROR(core_->ValidateBatch(w.source_id, b));
+  }
+  EventsResult total;
+  EventBatch slice;
+  for (size_t i = 0; i < b.events.size(); i += options_.apply_slice_events) {
+    const size_t end = std::min(b.events.size(), i + options_.apply_slice_events);
+    slice.events.assign(b.events.begin() + static_cast<ptrdiff_t>(i), b.events.begin() + static_cast<ptrdiff_t>(end));
+    absl::MutexLock l(&core_mu_);
+    ASSIGN_OR_RETURN(EventsResult r, core_->ApplyEvents(w.source_id, slice, clock_()));
+    total.apply.applied += r.apply.applied;
+    total.apply.duplicates += r.apply.duplicates;
+    total.apply.ignored += r.apply.ignored;
+    total.apply.gap |= r.apply.gap;
+    total.apply.last_sequence = r.apply.last_sequence;
+    total.full_dump_requested = r.full_dump_requested;
+    total.apply.full_dump_requested = r.full_dump_requested;
+  }
+  return total;
+}
+
+void RouterHost::ApplierLoop() {
+  absl::Time next_tick = clock_() + options_.tick_interval;
+  for (;;) {
+    std::optional<Work> w;
+    {
+      absl::MutexLock l(&queue_mu_);
+      auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(queue_mu_) { return stop_ || !queue_.empty(); };
+      queue_mu_.AwaitWithTimeout(absl::Condition(&ready), options_.tick_interval);
+      if (stop_) return;
+      if (!queue_.empty()) {
+        w.emplace(std::move(queue_.front()));
+        queue_.pop_front();
+        if (queued_batches_ != nullptr) queued_batches_->Set(static_cast<double>(queue_.size()));
+      }
+    }
+    if (w) {
+      absl::StatusOr<EventsResult> r = Apply(*w);
+      if (metrics_ != nullptr) {
+        event_lag_->Observe(absl::ToDoubleSeconds(clock_() - w->enqueued));
+        if (r.ok()) events_applied_->Increment(static_cast<double>(r->apply.applied));
+      }
+      w->done(std::move(r));
+    }
+    if (clock_() >= next_tick) {
+      std::vector<std::string> dropped;
+      {
+        absl::MutexLock l(&core_mu_);
+        dropped = core_->Tick(clock_());
+      }
+      if (dropped_sources_ != nullptr) dropped_sources_->Increment(static_cast<double>(dropped.size()));
+      next_tick = clock_() + options_.tick_interval;
+    }
+  }
+}
+
+}  // namespace kvpool::router

@@ -1,0 +1,120 @@
+// kvpool-router's flags and lifecycle: parse, print the config, serve until a signal.
+#include <csignal>
+#include <iostream>
+#include <thread>
+
+#include <CLI/CLI.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "kvpool/router/router_server.h"
+
+namespace kvpool::router {
+
+int RunRouterMain(int argc, char** argv) {
+  CLI::App app{"kvpool-router: routes LLM requests to the worker that can serve them fastest", "kvpool-router"};
+  RouterServerOptions o;
+  RouterOptions& c = o.host.core;
+  std::string policy = "cache_aware", hybrid = "strict";
+  std::vector<std::string> models = {"tiny-gqa"};
+  double heartbeat_timeout_s = 10, decision_timeout_s = 30, approx_ttl_s = 120;
+  int heartbeat_interval_ms = 1000;
+  app.add_option("--listen", o.listen, "gRPC listen address host:port (port 0 picks one)")->capture_default_str();
+  app.add_option("--policy", policy, "random|round_robin|least_load|power_of_two|session|cache_aware|ttft")
+      ->capture_default_str();
+  app.add_option("--models,--model", models, "models served: preset names or JSON spec paths (comma-separated)")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--block-tokens", c.block_tokens, "tokens per block for every model; 0 = each model's own")
+      ->capture_default_str();
+  app.add_option("--max-index-entries", c.max_index_entries, "index bound, (hash, holder) pairs")
+      ->capture_default_str();
+  app.add_option("--ttft-slo", c.ttft_slo_s, "seconds; Route answers RESOURCE_EXHAUSTED when every estimate is above (0 = off)")
+      ->capture_default_str();
+  app.add_option("--hybrid-mode", hybrid, "hybrid (KDA) hits: strict (stop at the last checkpoint) or replay")
+      ->capture_default_str();
+  app.add_option("--metrics-port", o.metrics_port, "Prometheus /metrics port (0 picks one, -1 off)")
+      ->capture_default_str();
+  app.add_option("--heartbeat-interval-ms", heartbeat_interval_ms, "interval told to sources at Register")
+      ->capture_default_str();
+  app.add_option("--heartbeat-timeout", heartbeat_timeout_s, "seconds without a heartbeat before a source is dropped")
+      ->capture_default_str();
+  app.add_option("--decision-timeout", decision_timeout_s, "seconds before an unconfirmed decision stops counting as load")
+      ->capture_default_str();
+  app.add_option("--approx-ttl", approx_ttl_s, "seconds a predicted block lives for workers that publish no events")
+      ->capture_default_str();
+  app.add_option("--overlap-weight", c.policy_params.overlap_weight, "cache_aware w1")->capture_default_str();
+  app.add_option("--load-weight", c.policy_params.load_weight, "cache_aware w2")->capture_default_str();
+  app.add_option("--balance-rel", c.policy_params.balance_rel, "cache_aware herding cap: load <= rel*mean + abs")
+      ->capture_default_str();
+  app.add_option("--balance-abs", c.policy_params.balance_abs, "cache_aware herding cap: load <= rel*mean + abs")
+      ->capture_default_str();
+  app.add_option("--max-streams", o.host.max_streams, "concurrent PublishEvents streams")->capture_default_str();
+  app.add_option("--apply-slice-events", o.host.apply_slice_events, "events applied per lock hold")
+      ->capture_default_str();
+  app.add_option("--seed", c.seed, "seed of the random policies")->capture_default_str();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  auto bad = [](absl::string_view msg) {
+    std::cerr << msg << "\n";
+    return 2;
+  };
+  auto p = ParsePolicy(policy);
+  if (!p.ok()) return bad(absl::StrCat("--policy: ", p.status().message()));
+  c.policy = *p;
+  auto h = ParseHybridMode(hybrid);
+  if (!h.ok()) return bad(absl::StrCat("--hybrid-mode: ", h.status().message()));
+  c.hybrid_mode = *h;
+  c.models = models;
+  if (heartbeat_interval_ms <= 0) return bad("--heartbeat-interval-ms must be > 0");
+  if (!(heartbeat_timeout_s > 0) || !(decision_timeout_s > 0) || !(approx_ttl_s > 0)) {
+    return bad("--heartbeat-timeout, --decision-timeout and --approx-ttl must be > 0 seconds");
+  }
+  c.heartbeat_interval = absl::Milliseconds(heartbeat_interval_ms);
+  c.heartbeat_timeout = absl::Seconds(heartbeat_timeout_s);
+  c.decision_timeout = absl::Seconds(decision_timeout_s);
+  c.approx_ttl = absl::Seconds(approx_ttl_s);
+
+  // Signals go to a waiting thread, not to whichever thread gRPC happens to run.
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+
+  auto server = RouterServer::Start(o);
+  if (!server.ok()) {
+    std::cerr << "kvpool-router: " << server.status().message() << "\n";
+    return server.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  std::cout << "kvpool-router listening on port " << (*server)->port() << "\n"
+            << "  listen               " << o.listen << "\n"
+            << "  policy               " << PolicyName(c.policy) << "\n"
+            << "  models               " << absl::StrJoin(c.models, ",") << "\n"
+            << "  block_tokens         " << (c.block_tokens == 0 ? std::string("model default") : std::to_string(c.block_tokens)) << "\n"
+            << "  max_index_entries    " << c.max_index_entries << "\n"
+            << "  ttft_slo_s           " << (c.ttft_slo_s > 0 ? std::to_string(c.ttft_slo_s) : std::string("off")) << "\n"
+            << "  hybrid_mode          " << HybridModeName(c.hybrid_mode) << "\n"
+            << "  heartbeat            every " << heartbeat_interval_ms << " ms, dropped after " << heartbeat_timeout_s << " s\n"
+            << "  decision_timeout_s   " << decision_timeout_s << "\n"
+            << "  approx_ttl_s         " << approx_ttl_s << "\n"
+            << "  cache_aware          w1=" << c.policy_params.overlap_weight << " w2=" << c.policy_params.load_weight
+            << " cap=" << c.policy_params.balance_rel << "*mean+" << c.policy_params.balance_abs << "\n"
+            << "  metrics              " << ((*server)->metrics_port() >= 0 ? absl::StrCat("http://", o.metrics_host, ":", (*server)->metrics_port(), "/metrics") : std::string("off")) << "\n"
+            << std::flush;
+  RouterServer* s = server->get();
+  std::thread waiter([s, sigs] {
+    int sig = 0;
+    sigwait(&sigs, &sig);
+    std::cout << "kvpool-router: signal " << sig << ", shutting down\n" << std::flush;
+    s->Shutdown();
+  });
+  s->Wait();
+  waiter.join();
+  return 0;
+}
+
+}  // namespace kvpool::router

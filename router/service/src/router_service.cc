@@ -1,0 +1,210 @@
+// The gRPC layer: kvpool.v1.Router on the callback API. It only converts protos
+// (convert.h) and delegates to RouterHost; nothing here blocks a reactor thread for
+// longer than one core operation.
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include "absl/strings/str_cat.h"
+#include "convert.h"
+#include "kvpool/common/status.h"
+#include "kvpool/proto/grpc_status.h"
+#include "kvpool/router/router_server.h"
+#include "kvpool/v1/router.grpc.pb.h"
+
+namespace kvpool::router {
+namespace {
+
+// One PublishEvents stream. At any moment either a read or an apply is pending, never
+// both, so the reactor needs no lock: read -> convert -> Enqueue -> (applier) OnApplied
+// -> read ... -> client half-closes -> Finish with the totals.
+class EventsReactor : public grpc::ServerReadReactor<v1::EventBatch> {
+ public:
+  EventsReactor(RouterHost* host, v1::PublishEventsResponse* response) : host_(host), response_(response) {
+    absl::Status s = host_->OpenStream();
+    if (!s.ok()) {
+      Finish(ToGrpcStatus(s));
+      return;
+    }
+    opened_ = true;
+    StartRead(&batch_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // half-close or cancellation: every batch read so far is applied
+      Finish(grpc::Status::OK);
+      return;
+    }
+    std::string source;
+    absl::StatusOr<EventBatch> b = BatchFromProto(batch_, &source);
+    if (!b.ok()) {
+      Finish(ToGrpcStatus(b.status()));
+      return;
+    }
+    if (!source_.empty() && source != source_) {
+      Finish(ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+          "source_id=\"", source, "\" but this stream started as \"", source_, "\"; use one stream per source"))));
+      return;
+    }
+    source_ = source;
+    host_->Enqueue(std::move(source), std::move(*b),
+                   [this](absl::StatusOr<EventsResult> r) { OnApplied(std::move(r)); });
+  }
+
+  void OnDone() override {
+    if (opened_) host_->CloseStream();
+    delete this;
+  }
+
+ private:
+  void OnApplied(absl::StatusOr<EventsResult> r) {
+    if (!r.ok()) {
+      Finish(ToGrpcStatus(r.status()));
+      return;
+    }
+    response_->set_events_applied(response_->events_applied() + r->apply.applied);
+    response_->set_last_sequence(r->apply.last_sequence);
+    response_->set_full_dump_requested(r->full_dump_requested);
+    StartRead(&batch_);
+  }
+
+  RouterHost* const host_;
+  v1::PublishEventsResponse* const response_;
+  v1::EventBatch batch_;
+  std::string source_;
+  bool opened_ = false;
+};
+
+class RouterService final : public v1::Router::CallbackService {
+ public:
+  explicit RouterService(RouterHost* host) : host_(host) {}
+
+  grpc::ServerUnaryReactor* Route(grpc::CallbackServerContext* ctx, const v1::RouteRequest* req,
+                                  v1::RouteResponse* resp) override {
+    return Done(ctx, DoRoute(*req, resp));
+  }
+  grpc::ServerReadReactor<v1::EventBatch>* PublishEvents(grpc::CallbackServerContext*,
+                                                         v1::PublishEventsResponse* resp) override {
+    return new EventsReactor(host_, resp);
+  }
+  grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* ctx, const v1::RegisterRequest* req,
+                                     v1::RegisterResponse* resp) override {
+    return Done(ctx, DoRegister(*req, resp));
+  }
+  grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* ctx, const v1::HeartbeatRequest* req,
+                                      v1::HeartbeatResponse* resp) override {
+    return Done(ctx, DoHeartbeat(*req, resp));
+  }
+  grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx, const v1::GetRouterStatsRequest*,
+                                     v1::RouterStats* resp) override {
+    StatsToProto(host_->Stats(), host_->options().core, resp);
+    return Done(ctx, absl::OkStatus());
+  }
+
+ private:
+  static grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx, const absl::Status& s) {
+    grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
+    r->Finish(ToGrpcStatus(s));
+    return r;
+  }
+
+  absl::Status DoRoute(const v1::RouteRequest& req, v1::RouteResponse* resp) {
+    ASSIGN_OR_RETURN(RouteInput in, RouteFromProto(req, host_->core_for_hashing()));
+    ASSIGN_OR_RETURN(RouteDecision d, host_->Route(in));
+    DecisionToProto(d, resp);
+    return absl::OkStatus();
+  }
+
+  absl::Status DoRegister(const v1::RegisterRequest& req, v1::RegisterResponse* resp) {
+    ASSIGN_OR_RETURN(SourceInfo info, SourceFromProto(req));
+    RETURN_IF_ERROR(host_->Register(info));
+    resp->set_heartbeat_interval_ms(
+        static_cast<uint32_t>(absl::ToInt64Milliseconds(host_->options().core.heartbeat_interval)));
+    resp->set_next_sequence(1);
+    return absl::OkStatus();
+  }
+
+  absl::Status DoHeartbeat(const v1::HeartbeatRequest& req, v1::HeartbeatResponse* resp) {
+    if (req.source_id().empty()) {
+      return absl::InvalidArgumentError("source_id: empty; set the id the source registered with");
+    }
+    ASSIGN_OR_RETURN(InstanceLoad load, LoadFromProto(req.load(), "load"));
+    const HeartbeatResult r =
+        host_->Heartbeat(req.source_id(), load,
+                         std::span<const uint64_t>(req.completed_decisions().data(), req.completed_decisions().size()));
+    resp->set_full_dump_requested(r.full_dump_requested);
+    resp->set_unknown_source(r.unknown_source);
+    return absl::OkStatus();
+  }
+
+  RouterHost* const host_;
+};
+
+}  // namespace
+
+struct RouterServer::Impl {
+  MetricsRegistry metrics;
+  std::unique_ptr<MetricsHttpServer> metrics_server;
+  std::unique_ptr<RouterHost> host;
+  std::unique_ptr<RouterService> service;
+  std::unique_ptr<grpc::Server> server;
+  int port = 0;
+  absl::Mutex mu;
+  bool shut_down ABSL_GUARDED_BY(mu) = false;
+};
+
+RouterServer::RouterServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+RouterServer::~RouterServer() {
+  Shutdown();
+  impl_->server.reset();
+  impl_->service.reset();
+  impl_->host.reset();  // after the server: reactors may still hold it until Shutdown returns
+}
+
+absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Start(RouterServerOptions options) {
+  auto impl = std::make_unique<Impl>();
+  ASSIGN_OR_RETURN(impl->host, RouterHost::Create(options.host, &impl->metrics));
+  impl->service = std::make_unique<RouterService>(impl->host.get());
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &impl->port);
+  builder.RegisterService(impl->service.get());
+  builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+  impl->server = builder.BuildAndStart();
+  if (impl->server == nullptr || impl->port == 0) {
+    return absl::UnavailableError(absl::StrCat("could not listen on --listen=", options.listen,
+                                               " (address in use or not local?)"));
+  }
+  impl->server->GetHealthCheckService()->SetServingStatus("kvpool.v1.Router", true);
+  if (options.metrics_port >= 0) {
+    auto m = MetricsHttpServer::Start(&impl->metrics, options.metrics_host, options.metrics_port);
+    if (!m.ok()) {
+      impl->server->Shutdown();
+      return absl::UnavailableError(absl::StrCat("--metrics-port=", options.metrics_port, ": ",
+                                                 m.status().message()));
+    }
+    impl->metrics_server = std::move(*m);
+  }
+  return std::unique_ptr<RouterServer>(new RouterServer(std::move(impl)));
+}
+
+int RouterServer::port() const { return impl_->port; }
+int RouterServer::metrics_port() const { return impl_->metrics_server ? impl_->metrics_server->port() : -1; }
+RouterHost& RouterServer::host() { return *impl_->host; }
+void RouterServer::Wait() { impl_->server->Wait(); }
+
+void RouterServer::Shutdown() {
+  {
+    absl::MutexLock l(&impl_->mu);
+    if (impl_->shut_down) return;
+    impl_->shut_down = true;
+  }
+  impl_->server->GetHealthCheckService()->SetServingStatus(false);
+  impl_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  impl_->metrics_server.reset();
+}
+
+}  // namespace kvpool::router

@@ -1,0 +1,328 @@
+// KvIndex against a reference model: random stored/removed/cleared events from several
+// sources (slots spanning more than one 64-bit mask word), with gaps, duplicates and
+// full dumps; every lookup, count, sequence and dump must agree.
+#include "kvpool/router/kv_index.h"
+
+#include <map>
+#include <random>
+#include <set>
+
+#include <gtest/gtest.h>
+
+namespace kvpool::router {
+namespace {
+
+BlockHash H(uint64_t x) {
+  auto mix = [](uint64_t z) {
+    z += 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  };
+  return BlockHash{mix(x), mix(x ^ 0xabcdefull)};
+}
+
+// What a router should know: per source, (hash -> tier bits), the sequence and staleness.
+struct RefSource {
+  std::map<BlockHash, uint8_t> held;
+  uint64_t last = 0;
+  bool stale = false;
+};
+
+struct Reference {
+  std::map<SourceSlot, RefSource> sources;
+
+  static void Apply(RefSource& s, const KvEvent& e) {
+    const uint8_t bit = static_cast<uint8_t>(1u << static_cast<int>(e.tier));
+    switch (e.type) {
+      case KvEvent::Type::kStored:
+        for (const BlockHash& h : e.hashes) s.held[h] |= bit;
+        break;
+      case KvEvent::Type::kRemoved:
+        for (const BlockHash& h : e.hashes) {
+          auto it = s.held.find(h);
+          if (it == s.held.end()) continue;
+          it->second &= static_cast<uint8_t>(~bit);
+          if (it->second == 0) s.held.erase(it);
+        }
+        break;
+      case KvEvent::Type::kCleared:
+        s.held.clear();
+        break;
+    }
+  }
+
+  void ApplyBatch(SourceSlot slot, const EventBatch& b) {
+    RefSource& s = sources[slot];
+    if (b.full_dump) {
+      s.held.clear();
+      for (const KvEvent& e : b.events) Apply(s, e);
+      s.stale = false;
+      s.last = b.dump_sequence != 0 ? b.dump_sequence : (b.events.empty() ? s.last : b.events.back().sequence);
+      return;
+    }
+    for (const KvEvent& e : b.events) {
+      if (s.stale) return;
+      if (e.sequence <= s.last) continue;
+      if (e.sequence != s.last + 1) {
+        s.stale = true;
+        return;
+      }
+      Apply(s, e);
+      s.last = e.sequence;
+    }
+  }
+
+  size_t Entries() const {
+    size_t n = 0;
+    for (const auto& [slot, s] : sources) n += s.held.size();
+    return n;
+  }
+
+  MatchResult Find(const std::vector<BlockHash>& hashes) const {
+    MatchResult r;
+    uint32_t walked = 0;
+    for (; walked < hashes.size(); ++walked) {
+      bool any = false;
+      uint8_t pool = 0;
+      for (const auto& [slot, s] : sources) {
+        auto it = s.held.find(hashes[walked]);
+        if (it == s.held.end()) continue;
+        any = true;
+        pool |= it->second & static_cast<uint8_t>(~1u);
+      }
+      if (!any) break;
+      r.in_pool.push_back(pool);
+    }
+    r.walked_blocks = walked;
+    for (const auto& [slot, s] : sources) {
+      uint32_t g = 0;
+      while (g < walked) {
+        auto it = s.held.find(hashes[g]);
+        if (it == s.held.end() || !(it->second & 1)) break;
+        ++g;
+      }
+      if (g > 0) r.gpu.push_back(GpuMatch{slot, g});
+    }
+    r.pool_prefix = r.PoolRunFrom(0);
+    return r;
+  }
+};
+
+void ExpectSame(const MatchResult& got, const MatchResult& want, const std::string& where) {
+  EXPECT_EQ(got.walked_blocks, want.walked_blocks) << where;
+  EXPECT_EQ(got.gpu, want.gpu) << where;
+  EXPECT_EQ(got.in_pool, want.in_pool) << where;
+  EXPECT_EQ(got.pool_prefix, want.pool_prefix) << where;
+}
+
+class KvIndexDifferentialTest : public ::testing::TestWithParam<uint64_t> {};
+
+TEST_P(KvIndexDifferentialTest, RandomEventsMatchReference) {
+  std::mt19937_64 rng(GetParam());
+  // 12 chains of 16 blocks in 4 groups sharing 6-block prefixes.
+  std::vector<std::vector<BlockHash>> chains(12);
+  for (size_t c = 0; c < chains.size(); ++c) {
+    for (uint64_t i = 0; i < 16; ++i) chains[c].push_back(i < 6 ? H((c % 4) * 1000 + i) : H(c * 100000 + i));
+  }
+  const std::vector<SourceSlot> workers = {0, 1, 63, 64, 130};
+  const std::vector<SourceSlot> pools = {2, 200};
+  std::vector<SourceSlot> all = workers;
+  all.insert(all.end(), pools.begin(), pools.end());
+
+  KvIndex index;
+  Reference ref;
+  std::map<SourceSlot, RefSource> truth;  // what each source really holds
+  std::map<SourceSlot, uint64_t> next_seq;
+  for (SourceSlot s : all) {
+    index.ResetSource(s);
+    ref.sources[s] = RefSource{};
+    truth[s] = RefSource{};
+    next_seq[s] = 1;
+  }
+  auto pick = [&](size_t n) { return std::uniform_int_distribution<size_t>(0, n - 1)(rng); };
+  auto chance = [&](double p) { return std::uniform_real_distribution<double>(0, 1)(rng) < p; };
+
+  int gaps = 0, dumps = 0;
+  for (int step = 0; step < 3000; ++step) {
+    const SourceSlot slot = all[pick(all.size())];
+    const bool is_pool = slot == 2 || slot == 200;
+    EventBatch batch;
+    if (ref.sources[slot].stale && chance(0.5)) {
+      // The source answers the router's request with the truth.
+      batch.full_dump = true;
+      batch.dump_sequence = next_seq[slot] - 1;
+      uint64_t s = 0;
+      for (const auto& [h, tiers] : truth[slot].held) {
+        for (int t = 0; t < kNumTiers; ++t) {
+          if (tiers & (1u << t)) batch.events.push_back(KvEvent::Stored(++s, BlockHash{}, {h}, static_cast<Tier>(t)));
+        }
+      }
+      ++dumps;
+    } else if (chance(0.02)) {
+      // Removal and re-registration.
+      index.RemoveSource(slot);
+      index.ResetSource(slot);
+      ref.sources[slot] = RefSource{};
+      truth[slot] = RefSource{};
+      next_seq[slot] = 1;
+      continue;
+    } else {
+      const int n = 1 + static_cast<int>(pick(4));
+      for (int k = 0; k < n; ++k) {
+        KvEvent e;
+        const double r = std::uniform_real_distribution<double>(0, 1)(rng);
+        const Tier tier = is_pool ? (chance(0.5) ? Tier::kDram : Tier::kNvme) : Tier::kGpu;
+        const auto& chain = chains[pick(chains.size())];
+        if (r < 0.6) {
+          const size_t start = pick(chain.size());
+          const size_t len = 1 + pick(chain.size() - start);
+          e = KvEvent::Stored(0, start == 0 ? BlockHash{} : chain[start - 1],
+                              {chain.begin() + static_cast<ptrdiff_t>(start),
+                               chain.begin() + static_cast<ptrdiff_t>(start + len)},
+                              tier);
+        } else if (r < 0.97) {
+          std::vector<BlockHash> hs;
+          for (int j = 0; j < 3; ++j) hs.push_back(chain[pick(chain.size())]);
+          e = KvEvent::Removed(0, hs, tier);
+        } else {
+          e = KvEvent::Cleared(0);
+        }
+        e.sequence = next_seq[slot]++;
+        Reference::Apply(truth[slot], e);
+        truth[slot].last = e.sequence;
+        if (chance(0.03)) {  // lost on the way: a gap for the router
+          ++gaps;
+          continue;
+        }
+        batch.events.push_back(e);
+        if (chance(0.03)) batch.events.push_back(e);  // duplicate delivery
+      }
+    }
+    const ApplyResult r = index.ApplyBatch(slot, batch);
+    ref.ApplyBatch(slot, batch);
+    ASSERT_EQ(index.stale(slot), ref.sources[slot].stale) << "step " << step;
+    ASSERT_EQ(r.full_dump_requested, ref.sources[slot].stale) << "step " << step;
+    ASSERT_EQ(index.last_sequence(slot), ref.sources[slot].last) << "step " << step;
+    ASSERT_EQ(index.entries(), ref.Entries()) << "step " << step;
+    ASSERT_EQ(index.source_entries(slot), ref.sources[slot].held.size()) << "step " << step;
+    for (int q = 0; q < 4; ++q) {
+      const auto& chain = chains[pick(chains.size())];
+      std::vector<BlockHash> query(chain.begin(), chain.begin() + static_cast<ptrdiff_t>(1 + pick(chain.size())));
+      ExpectSame(index.FindMatches(query), ref.Find(query), "step " + std::to_string(step));
+    }
+    if (step % 100 == 0) {
+      // Dump reproduces the reference's view of every source.
+      for (SourceSlot s : all) {
+        std::map<BlockHash, uint8_t> dumped;
+        for (const KvEvent& e : index.Dump(s).events) dumped[e.hashes.at(0)] |= static_cast<uint8_t>(1u << static_cast<int>(e.tier));
+        ASSERT_EQ(dumped, ref.sources[s].held) << "dump of slot " << s << " at step " << step;
+      }
+    }
+  }
+  EXPECT_GT(gaps, 10);
+  EXPECT_GT(dumps, 5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Seeds, KvIndexDifferentialTest, ::testing::Values(1, 2, 3, 42));
+
+TEST(KvIndexTest, LookupStopsAtFirstMissingBlockAndCombinesPool) {
+  KvIndex index;
+  for (SourceSlot s : {0u, 1u, 5u}) index.ResetSource(s);
+  std::vector<BlockHash> c = {H(1), H(2), H(3), H(4), H(5)};
+  index.Store(0, {}, std::span(c).first(3), Tier::kGpu);              // w0: 3 on GPU
+  index.Store(1, {}, std::span(c).first(1), Tier::kGpu);              // w1: 1 on GPU
+  index.Store(5, {}, std::span(c).first(4), Tier::kDram);             // pool: 4 in DRAM
+  index.Store(0, c[3], std::span(c).subspan(4, 1), Tier::kGpu);       // h4 on w0, h3 not
+  MatchResult m = index.FindMatches(c);
+  EXPECT_EQ(m.walked_blocks, 5u);
+  EXPECT_EQ(m.GpuBlocks(0), 3u);
+  EXPECT_EQ(m.GpuBlocks(1), 1u);
+  EXPECT_EQ(m.pool_prefix, 4u);
+  EXPECT_EQ(m.PoolRunFrom(3), 1u);  // w0 reuses 3 from GPU + 1 from the pool
+  auto runs = index.PoolLocations(c, 3, 1);
+  ASSERT_EQ(runs.size(), 1u);
+  EXPECT_EQ(runs[0].holder, 5u);
+  EXPECT_EQ(runs[0].tier, Tier::kDram);
+  EXPECT_EQ(runs[0].first_block, 3u);
+}
+
+TEST(KvIndexTest, GapMarksStaleUntilFullDump) {
+  KvIndex index;
+  index.ResetSource(0);
+  EventBatch b;
+  b.events.push_back(KvEvent::Stored(1, {}, {H(1)}));
+  b.events.push_back(KvEvent::Stored(3, H(1), {H(2)}));  // 2 is missing
+  ApplyResult r = index.ApplyBatch(0, b);
+  EXPECT_TRUE(r.gap);
+  EXPECT_TRUE(r.full_dump_requested);
+  EXPECT_EQ(r.applied, 1u);
+  EXPECT_EQ(r.ignored, 1u);
+  EXPECT_TRUE(index.stale(0));
+  // Later events are ignored until the dump.
+  EventBatch later;
+  later.events.push_back(KvEvent::Stored(4, H(2), {H(3)}));
+  r = index.ApplyBatch(0, later);
+  EXPECT_EQ(r.applied, 0u);
+  EXPECT_EQ(r.ignored, 1u);
+  EXPECT_EQ(index.FindMatches(std::vector<BlockHash>{H(1)}).GpuBlocks(0), 1u);  // kept meanwhile
+  EventBatch dump;
+  dump.full_dump = true;
+  dump.dump_sequence = 4;
+  dump.events.push_back(KvEvent::Stored(1, {}, {H(1), H(2), H(3)}));
+  r = index.ApplyBatch(0, dump);
+  EXPECT_FALSE(index.stale(0));
+  EXPECT_EQ(index.last_sequence(0), 4u);
+  EXPECT_EQ(index.FindMatches(std::vector<BlockHash>{H(1), H(2), H(3)}).GpuBlocks(0), 3u);
+  EventBatch next;
+  next.events.push_back(KvEvent::Removed(5, {H(3)}));
+  r = index.ApplyBatch(0, next);
+  EXPECT_EQ(r.applied, 1u);
+  EXPECT_EQ(index.FindMatches(std::vector<BlockHash>{H(1), H(2), H(3)}).GpuBlocks(0), 2u);
+}
+
+TEST(KvIndexTest, PruningKeepsBoundAndRemovesLeavesFirst) {
+  KvIndex index(KvIndex::Options{.max_entries = 1000, .prune_fraction = 0.1});
+  index.ResetSource(0);
+  // 50 chains of 40 blocks: 2000 entries offered, at most 1000 kept.
+  std::vector<std::vector<BlockHash>> chains;
+  for (uint64_t c = 0; c < 50; ++c) {
+    std::vector<BlockHash> chain;
+    for (uint64_t i = 0; i < 40; ++i) chain.push_back(H(c * 1000 + i));
+    index.Store(0, {}, chain, Tier::kGpu);
+    ASSERT_LE(index.entries(), 1000u);
+    chains.push_back(std::move(chain));
+  }
+  EXPECT_GT(index.pruned_entries(), 0u);
+  EXPECT_EQ(index.entries(), index.source_entries(0));
+  // Leaf-first: every surviving chain is a prefix (no holes), so lookups still work.
+  size_t kept = 0;
+  for (const auto& chain : chains) {
+    const MatchResult m = index.FindMatches(chain);
+    kept += m.GpuBlocks(0);
+    for (uint32_t i = m.walked_blocks; i < chain.size(); ++i) {
+      ASSERT_EQ(index.FindMatches(std::vector<BlockHash>{chain[i]}).walked_blocks, 0u)
+          << "block " << i << " survived although its parent was pruned";
+    }
+  }
+  EXPECT_EQ(kept, index.entries());
+  // By age: the most recent chain is intact.
+  EXPECT_EQ(index.FindMatches(chains.back()).GpuBlocks(0), 40u);
+  EXPECT_GT(index.MemoryBytes(), 0u);
+}
+
+TEST(KvIndexTest, LinearStateIsKeptApartFromKv) {
+  KvIndex index;
+  index.ResetSource(3);
+  index.Store(3, {}, std::vector<BlockHash>{H(7)}, Tier::kGpu, StateKind::kLinearState);
+  EXPECT_TRUE(index.HasState(H(7), 3));
+  EXPECT_FALSE(index.HasState(H(7), 4));
+  EXPECT_EQ(index.FindMatches(std::vector<BlockHash>{H(7)}).walked_blocks, 0u);
+  const EventBatch d = index.Dump(3);
+  ASSERT_EQ(d.events.size(), 1u);
+  EXPECT_EQ(d.events[0].hashes[0], H(7));
+  EXPECT_EQ(d.events[0].kind, StateKind::kLinearState);
+}
+
+}  // namespace
+}  // namespace kvpool::router

@@ -1,0 +1,425 @@
+// RouterCore end to end without I/O: events -> index -> policies -> decisions, with an
+// injected clock.
+#include "kvpool/router/router_core.h"
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+
+#include <gtest/gtest.h>
+
+namespace kvpool::router {
+namespace {
+
+const absl::Time kT0 = absl::FromUnixSeconds(1'000'000);
+
+RouteInput In(std::string model, std::vector<BlockHash> h) {
+  RouteInput in;
+  in.model = std::move(model);
+  in.hashes = std::move(h);
+  return in;
+}
+
+SourceInfo Info(std::string id, SourceKind kind, std::string model, bool events = true) {
+  SourceInfo s;
+  s.id = id;
+  s.kind = kind;
+  s.address = id + (kind == SourceKind::kWorker ? ":1" : ":2");
+  s.model = std::move(model);
+  s.publishes_events = events;
+  return s;
+}
+
+InstanceLoad Load(uint32_t running, uint64_t queued_tokens) {
+  InstanceLoad l;
+  l.running_requests = running;
+  l.queued_prefill_tokens = queued_tokens;
+  return l;
+}
+
+std::vector<TokenId> Tokens(uint32_t n, uint32_t salt) {
+  std::vector<TokenId> t(n);
+  for (uint32_t i = 0; i < n; ++i) t[i] = salt * 7919 + i;
+  return t;
+}
+
+class RouterCoreTest : public ::testing::Test {
+ protected:
+  void Make(RouterOptions o) {
+    auto c = RouterCore::Create(std::move(o));
+    ASSERT_TRUE(c.ok()) << c.status();
+    core_ = std::move(*c);
+  }
+  void MakeDefault(PolicyKind policy, std::vector<std::string> models = {"llama-3.3-70b"}) {
+    RouterOptions o;
+    o.models = std::move(models);
+    o.policy = policy;
+    Make(o);
+  }
+  void Worker(const std::string& id, const std::string& model = "llama-3.3-70b", bool events = true,
+              absl::Time now = kT0) {
+    ASSERT_TRUE(core_->Register(Info(id, SourceKind::kWorker, model, events), now).ok());
+  }
+  void PoolNode(const std::string& id) {
+    ASSERT_TRUE(core_->Register(Info(id, SourceKind::kPoolNode, ""), kT0).ok());
+  }
+  std::vector<BlockHash> Hash(const std::vector<TokenId>& tokens, const std::string& model = "llama-3.3-70b") {
+    auto m = core_->FindModel(model, 0);
+    EXPECT_TRUE(m.ok());
+    return core_->HashTokens(**m, tokens, "", {});
+  }
+  // Publishes `hashes[0..n)` as one stored event with the source's next sequence.
+  void Store(const std::string& id, const std::vector<BlockHash>& hashes, size_t n, Tier tier = Tier::kGpu,
+             StateKind kind = StateKind::kAttnKv, size_t first = 0) {
+    EventBatch b;
+    b.events.push_back(KvEvent::Stored(++seq_[id], first == 0 ? BlockHash{} : hashes[first - 1],
+                                       {hashes.begin() + static_cast<ptrdiff_t>(first),
+                                        hashes.begin() + static_cast<ptrdiff_t>(first + n)},
+                                       tier, kind));
+    auto r = core_->ApplyEvents(id, b, kT0);
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_EQ(r->apply.applied, 1u);
+  }
+  RouteDecision Route(const std::vector<BlockHash>& h, absl::Time now = kT0, std::string policy = "",
+                      std::string model = "llama-3.3-70b") {
+    RouteInput in = In(model, h);
+    in.policy = policy;
+    auto d = core_->Route(in, now);
+    EXPECT_TRUE(d.ok()) << d.status();
+    return d.ok() ? *d : RouteDecision{};
+  }
+
+  std::unique_ptr<RouterCore> core_;
+  std::map<std::string, uint64_t> seq_;
+};
+
+TEST_F(RouterCoreTest, CacheAwareFollowsPublishedEvents) {
+  MakeDefault(PolicyKind::kCacheAware);
+  Worker("w0");
+  Worker("w1");
+  Worker("w2");
+  auto h = Hash(Tokens(16 * 10, 1));
+  Store("w1", h, 8);
+  RouteDecision d = Route(h);
+  EXPECT_EQ(d.instance_id, "w1");
+  EXPECT_EQ(d.instance_address, "w1:1");
+  EXPECT_EQ(d.gpu_hit_blocks, 8u);
+  EXPECT_EQ(d.total_blocks, 10u);
+  EXPECT_GT(d.decision_id, 0u);
+  EXPECT_EQ(core_->load().Inflight(core_->SlotOf("w1")), 1u);
+  EXPECT_EQ(core_->Stats(kT0).decisions_by_policy[static_cast<int>(PolicyKind::kCacheAware)], 1u);
+}
+
+TEST_F(RouterCoreTest, TtftCountsPoolHitBeyondGpuHitWithLocations) {
+  MakeDefault(PolicyKind::kTtft);
+  Worker("w0");
+  Worker("w1");
+  PoolNode("p0");
+  PoolNode("p1");
+  auto h = Hash(Tokens(16 * 20, 2));
+  Store("w0", h, 2);
+  Store("p0", h, 5, Tier::kDram);
+  Store("p1", h, 3, Tier::kNvme, StateKind::kAttnKv, 5);
+  RouteDecision d = Route(h);
+  EXPECT_EQ(d.instance_id, "w0");
+  EXPECT_EQ(d.gpu_hit_blocks, 2u);
+  EXPECT_EQ(d.pool_hit_blocks, 6u);
+  ASSERT_EQ(d.pool_locations.size(), 2u);
+  EXPECT_EQ(d.pool_locations[0].holder_id, "p0");
+  EXPECT_EQ(d.pool_locations[0].tier, Tier::kDram);
+  EXPECT_EQ(d.pool_locations[0].first_block, 2u);
+  EXPECT_EQ(d.pool_locations[0].num_blocks, 3u);
+  EXPECT_EQ(d.pool_locations[1].holder_id, "p1");
+  EXPECT_EQ(d.pool_locations[1].tier, Tier::kNvme);
+  EXPECT_EQ(d.pool_locations[1].first_block, 5u);
+  EXPECT_EQ(d.pool_locations[1].num_blocks, 3u);
+  // The estimate is queue (0) + transfer + prefill of the 12 blocks nobody has.
+  const CostModel cost;
+  auto spec = GetPreset("llama-3.3-70b");
+  const double prefill_rest = cost.PrefillSeconds(*spec, 12 * 16);
+  EXPECT_GT(d.estimated_ttft_s, prefill_rest);
+  EXPECT_LT(d.estimated_ttft_s, cost.PrefillSeconds(*spec, 18 * 16));
+}
+
+TEST_F(RouterCoreTest, TtftAvoidsLongQueueDespiteHit) {
+  MakeDefault(PolicyKind::kTtft);
+  Worker("w0");
+  Worker("w1");
+  auto h = Hash(Tokens(16 * 8, 3));
+  Store("w0", h, 8);
+  core_->Heartbeat("w0", Load(4, 200000), {}, kT0);
+  EXPECT_EQ(Route(h).instance_id, "w1");
+  core_->Heartbeat("w0", InstanceLoad{}, {}, kT0);
+  EXPECT_EQ(Route(h).instance_id, "w0");
+}
+
+TEST_F(RouterCoreTest, TtftSloRejectsWithResourceExhausted) {
+  RouterOptions o;
+  o.models = {"llama-3.3-70b"};
+  o.policy = PolicyKind::kTtft;
+  o.ttft_slo_s = 0.5;
+  Make(o);
+  Worker("w0");
+  core_->Heartbeat("w0", Load(0, 10'000'000), {}, kT0);
+  auto d = core_->Route(In("llama-3.3-70b", Hash(Tokens(64, 4))), kT0);
+  ASSERT_FALSE(d.ok());
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(d.status().message().find("--ttft-slo"), absl::string_view::npos);
+  EXPECT_EQ(core_->load().decisions(), 0u);
+}
+
+TEST_F(RouterCoreTest, HybridStrictStopsAtCheckpointReplayPaysTheGap) {
+  for (HybridMode mode : {HybridMode::kStrict, HybridMode::kReplay}) {
+    RouterOptions o;
+    o.models = {"tiny-hybrid"};  // 64-token blocks, checkpoint every 256 tokens = 4 blocks
+    o.policy = PolicyKind::kTtft;
+    o.hybrid_mode = mode;
+    Make(o);
+    seq_.clear();
+    Worker("w0", "tiny-hybrid");
+    auto h = Hash(Tokens(64 * 8, 5), "tiny-hybrid");
+    Store("w0", h, 6);
+    // No checkpoint yet: strict reuses nothing.
+    RouteDecision d = Route(h, kT0, "", "tiny-hybrid");
+    EXPECT_EQ(d.gpu_hit_blocks, mode == HybridMode::kStrict ? 0u : 6u) << HybridModeName(mode);
+    Store("w0", h, 1, Tier::kGpu, StateKind::kLinearState, 3);  // checkpoint at block 4's boundary
+    RouteDecision d2 = Route(h, kT0, "", "tiny-hybrid");
+    EXPECT_EQ(d2.gpu_hit_blocks, mode == HybridMode::kStrict ? 4u : 6u) << HybridModeName(mode);
+    if (mode == HybridMode::kReplay) {
+      EXPECT_LT(d2.estimated_ttft_s, d.estimated_ttft_s);
+    }
+  }
+}
+
+// One shared system prompt, 8 instances that publish what they cache: cache_aware must
+// not herd. Completions arrive at random, as from real workers.
+double MaxOverMeanAfterHerd(RouterCore& core, std::mt19937_64& rng, bool check, int* violations) {
+  std::vector<std::string> ids;
+  for (int i = 0; i < 8; ++i) ids.push_back("w" + std::to_string(i));
+  auto m = core.FindModel("llama-3.3-70b", 0);
+  std::vector<TokenId> prompt = Tokens(16 * 32, 99);  // shared prefix: 32 blocks
+  std::map<std::string, uint64_t> seq;
+  std::vector<uint64_t> inflight;
+  double worst = 0;
+  for (int r = 0; r < 2000; ++r) {
+    std::vector<TokenId> tokens = prompt;
+    for (int i = 0; i < 64; ++i) tokens.push_back(1'000'000 + r * 64 + i);  // unique 4-block suffix
+    const auto h = core.HashTokens(**m, tokens, "", {});
+    auto d = core.Route(In("llama-3.3-70b", h), kT0);
+    if (!d.ok()) return -1;
+    inflight.push_back(d->decision_id);
+    EventBatch b;
+    b.events.push_back(KvEvent::Stored(++seq[d->instance_id], {}, h));
+    if (!core.ApplyEvents(d->instance_id, b, kT0).ok()) return -1;
+    // Each step about one request completes (a random one), so load hovers ~ 30.
+    if (inflight.size() > 30 || (std::uniform_int_distribution<int>(0, 1)(rng) == 0 && !inflight.empty())) {
+      const size_t k = std::uniform_int_distribution<size_t>(0, inflight.size() - 1)(rng);
+      core.CompleteDecision(inflight[k]);
+      inflight.erase(inflight.begin() + static_cast<ptrdiff_t>(k));
+    }
+    double sum = 0, mx = 0;
+    for (const auto& id : ids) {
+      const double l = core.load().Requests(static_cast<SourceSlot>(core.SlotOf(id)));
+      sum += l;
+      mx = std::max(mx, l);
+    }
+    const double mean = sum / 8;
+    if (mean >= 2) {
+      worst = std::max(worst, mx / mean);
+      if (check && mx > 1.5 * mean) ++*violations;
+    }
+  }
+  return worst;
+}
+
+TEST_F(RouterCoreTest, CacheAwareDoesNotHerdOnSharedPrefix) {
+  MakeDefault(PolicyKind::kCacheAware);
+  for (int i = 0; i < 8; ++i) Worker("w" + std::to_string(i));
+  std::mt19937_64 rng(5);
+  int violations = 0;
+  const double worst = MaxOverMeanAfterHerd(*core_, rng, true, &violations);
+  EXPECT_EQ(violations, 0) << "max/mean load reached " << worst;
+  EXPECT_LE(worst, 1.5);
+  EXPECT_GT(worst, 0);
+  // Every instance served some of the traffic.
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_GT(core_->index().source_entries(static_cast<SourceSlot>(core_->SlotOf("w" + std::to_string(i)))), 0u);
+  }
+}
+
+TEST_F(RouterCoreTest, WithoutGuardsTheSameWorkloadHerds) {
+  // The control for the test above: overlap only, no load term, no cap.
+  RouterOptions o;
+  o.models = {"llama-3.3-70b"};
+  o.policy = PolicyKind::kCacheAware;
+  o.policy_params.load_weight = 0;
+  o.policy_params.balance_rel = 1e9;
+  Make(o);
+  for (int i = 0; i < 8; ++i) Worker("w" + std::to_string(i));
+  std::mt19937_64 rng(5);
+  int violations = 0;
+  EXPECT_GT(MaxOverMeanAfterHerd(*core_, rng, false, &violations), 1.5);
+}
+
+TEST_F(RouterCoreTest, DeadInstanceIsDroppedWithItsEntries) {
+  MakeDefault(PolicyKind::kCacheAware);
+  Worker("w0");
+  Worker("w1");
+  auto h = Hash(Tokens(16 * 4, 6));
+  Store("w0", h, 4);
+  EXPECT_EQ(core_->index().entries(), 4u);
+  core_->Heartbeat("w1", {}, {}, kT0 + absl::Seconds(8));
+  EXPECT_TRUE(core_->Tick(kT0 + absl::Seconds(9)).empty());
+  const auto dropped = core_->Tick(kT0 + absl::Seconds(11));
+  ASSERT_EQ(dropped.size(), 1u);
+  EXPECT_EQ(dropped[0], "w0");
+  EXPECT_EQ(core_->index().entries(), 0u);
+  EXPECT_EQ(core_->SlotOf("w0"), -1);
+  EXPECT_EQ(Route(h, kT0 + absl::Seconds(11)).instance_id, "w1");
+  EXPECT_TRUE(core_->Heartbeat("w0", {}, {}, kT0 + absl::Seconds(12)).unknown_source);
+  // Its slot is reused by the next registration without inheriting anything.
+  Worker("w2", "llama-3.3-70b", true, kT0 + absl::Seconds(12));
+  EXPECT_EQ(core_->index().source_entries(static_cast<SourceSlot>(core_->SlotOf("w2"))), 0u);
+  EXPECT_EQ(core_->Stats(kT0 + absl::Seconds(12)).dropped_sources, 1u);
+}
+
+TEST_F(RouterCoreTest, ApproximateModePredictsFromDecisionsUntilTtl) {
+  RouterOptions o;
+  o.models = {"llama-3.3-70b"};
+  o.policy = PolicyKind::kCacheAware;
+  o.approx_ttl = absl::Seconds(5);
+  Make(o);
+  Worker("a0", "llama-3.3-70b", /*events=*/false);
+  Worker("w1");
+  auto h = Hash(Tokens(16 * 6, 7));
+  RouteDecision first = Route(h);
+  EXPECT_EQ(first.instance_id, "a0");  // tie on everything: lower slot
+  EXPECT_EQ(first.gpu_hit_blocks, 0u);
+  core_->CompleteDecision(first.decision_id);
+  RouteDecision second = Route(h, kT0 + absl::Seconds(3));
+  EXPECT_EQ(second.instance_id, "a0");
+  EXPECT_EQ(second.gpu_hit_blocks, 6u);  // predicted from the first decision
+  core_->CompleteDecision(second.decision_id);
+  // The second decision refreshed the TTL to t0+8s.
+  for (int s : {4, 6, 9}) {
+    core_->Heartbeat("a0", {}, {}, kT0 + absl::Seconds(s));
+    core_->Heartbeat("w1", {}, {}, kT0 + absl::Seconds(s));
+    core_->Tick(kT0 + absl::Seconds(s));
+    const uint64_t held = core_->index().source_entries(static_cast<SourceSlot>(core_->SlotOf("a0")));
+    EXPECT_EQ(held, s < 8 ? 6u : 0u) << "at t0+" << s << "s";
+  }
+  EXPECT_EQ(core_->index().entries(), 0u);
+}
+
+TEST_F(RouterCoreTest, DecisionsReleaseOnCompletionOrTimeout) {
+  MakeDefault(PolicyKind::kLeastLoad);
+  Worker("w0");
+  auto h = Hash(Tokens(32, 8));
+  RouteDecision a = Route(h);
+  RouteDecision b = Route(h, kT0 + absl::Seconds(1));
+  const SourceSlot w0 = static_cast<SourceSlot>(core_->SlotOf("w0"));
+  EXPECT_EQ(core_->load().Inflight(w0), 2u);
+  EXPECT_EQ(core_->load().QueuedTokens(w0), 64u);
+  const uint64_t done[] = {a.decision_id};
+  core_->Heartbeat("w0", {}, done, kT0 + absl::Seconds(2));
+  EXPECT_EQ(core_->load().Inflight(w0), 1u);
+  core_->Heartbeat("w0", {}, {}, kT0 + absl::Seconds(31));
+  core_->Tick(kT0 + absl::Seconds(31));  // b was decided at t0+1s; timeout 30 s
+  EXPECT_EQ(core_->load().Inflight(w0), 0u);
+  EXPECT_FALSE(core_->CompleteDecision(b.decision_id));
+}
+
+TEST_F(RouterCoreTest, GapInEventsRequestsDumpThroughHeartbeat) {
+  MakeDefault(PolicyKind::kCacheAware);
+  Worker("w0");
+  auto h = Hash(Tokens(16 * 3, 9));
+  EventBatch b;
+  b.events.push_back(KvEvent::Stored(2, {}, {h[0]}));
+  auto r = core_->ApplyEvents("w0", b, kT0);
+  ASSERT_TRUE(r.ok());
+  EXPECT_TRUE(r->full_dump_requested);
+  EXPECT_TRUE(core_->Heartbeat("w0", {}, {}, kT0).full_dump_requested);
+  EXPECT_EQ(core_->Stats(kT0).full_dumps_requested, 1u);
+  EventBatch dump;
+  dump.full_dump = true;
+  dump.dump_sequence = 2;
+  dump.events.push_back(KvEvent::Stored(1, {}, h));
+  ASSERT_TRUE(core_->ApplyEvents("w0", dump, kT0).ok());
+  EXPECT_FALSE(core_->Heartbeat("w0", {}, {}, kT0).full_dump_requested);
+  EXPECT_EQ(Route(h).gpu_hit_blocks, 3u);
+}
+
+TEST_F(RouterCoreTest, BadInputIsRejectedNamingTheField) {
+  MakeDefault(PolicyKind::kCacheAware, {"llama-3.3-70b", "deepseek-v3"});
+  auto h = Hash(Tokens(32, 10));
+  auto unavailable = core_->Route(In("llama-3.3-70b", h), kT0);
+  EXPECT_EQ(unavailable.status().code(), absl::StatusCode::kUnavailable);
+  Worker("w0");
+  PoolNode("p0");
+
+  auto unknown = core_->Route(In("gpt-5", h), kT0);
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(unknown.status().message().find("model.name=\"gpt-5\""), absl::string_view::npos);
+  RouteInput bad_bs = In("llama-3.3-70b", h);
+  bad_bs.block_tokens = 64;
+  auto bs = core_->Route(bad_bs, kT0);
+  EXPECT_EQ(bs.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bs.status().message().find("model.block_tokens=64"), absl::string_view::npos);
+  auto empty = core_->Route(In("llama-3.3-70b", {}), kT0);
+  EXPECT_EQ(empty.status().code(), absl::StatusCode::kInvalidArgument);
+  RouteInput short_in = In("llama-3.3-70b", h);
+  short_in.prompt_tokens = 5;
+  auto short_prompt = core_->Route(short_in, kT0);
+  EXPECT_NE(short_prompt.status().message().find("prompt_tokens=5"), absl::string_view::npos);
+  RouteInput bad_policy = In("llama-3.3-70b", h);
+  bad_policy.policy = "best";
+  auto policy = core_->Route(bad_policy, kT0);
+  EXPECT_NE(policy.status().message().find("policy=\"best\""), absl::string_view::npos);
+  auto no_workers = core_->Route(In("deepseek-v3", h), kT0);
+  EXPECT_EQ(no_workers.status().code(), absl::StatusCode::kUnavailable);
+
+  EventBatch b;
+  b.events.push_back(KvEvent::Stored(1, {}, {h[0]}));
+  auto unreg = core_->ApplyEvents("ghost", b, kT0);
+  EXPECT_EQ(unreg.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(unreg.status().message().find("source_id=\"ghost\""), absl::string_view::npos);
+  auto gpu_on_pool = core_->ApplyEvents("p0", b, kT0);
+  EXPECT_EQ(gpu_on_pool.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(gpu_on_pool.status().message().find("events[0].stored.tier"), absl::string_view::npos);
+  EventBatch empty_event;
+  empty_event.events.push_back(KvEvent::Removed(1, {}));
+  EXPECT_NE(core_->ApplyEvents("w0", empty_event, kT0).status().message().find("events[0].removed.block_hashes"),
+            absl::string_view::npos);
+  EXPECT_EQ(core_->Register(Info("bad id!", SourceKind::kWorker, "llama-3.3-70b"), kT0).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(core_->Register(Info("w9", SourceKind::kWorker, "nope"), kT0).code(), absl::StatusCode::kInvalidArgument);
+  // The router still serves the good ones.
+  EXPECT_EQ(Route(h).instance_id, "w0");
+}
+
+TEST_F(RouterCoreTest, ReRegisterResetsEntriesAndSequence) {
+  MakeDefault(PolicyKind::kCacheAware);
+  Worker("w0");
+  auto h = Hash(Tokens(32, 11));
+  Store("w0", h, 2);
+  Worker("w0");
+  EXPECT_EQ(core_->index().entries(), 0u);
+  EXPECT_EQ(core_->index().last_sequence(static_cast<SourceSlot>(core_->SlotOf("w0"))), 0u);
+}
+
+TEST(RouterCoreCreateTest, RejectsUnknownModelsAndBadOptions) {
+  RouterOptions o;
+  o.models = {"nope"};
+  EXPECT_EQ(RouterCore::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.models = {"deepseek-v3"};
+  o.block_tokens = 48;  // fine for MLA? checkpoint-free, so yes
+  EXPECT_TRUE(RouterCore::Create(o).ok());
+  o.models = {"tiny-hybrid"};
+  o.block_tokens = 100;  // 256-token checkpoints are not a multiple of 100
+  EXPECT_EQ(RouterCore::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.models = {};
+  EXPECT_FALSE(RouterCore::Create(o).ok());
+}
+
+}  // namespace
+}  // namespace kvpool::router

@@ -1,0 +1,352 @@
+// kvpool.v1.Router over a real loopback gRPC server: registration, event streams with
+// gaps and dumps, routing, bad input, health, /metrics, and kvctl route/status.
+#include <atomic>
+#include <sstream>
+#include <thread>
+
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <httplib.h>
+
+#include "absl/synchronization/notification.h"
+#include "kvctl.h"
+#include "kvpool/common/hash.h"
+#include "kvpool/router/router_client.h"
+#include "kvpool/router/router_server.h"
+#include "nlohmann/json.hpp"
+
+namespace kvpool::router {
+namespace {
+
+class RouterServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    RouterServerOptions o;
+    o.listen = "127.0.0.1:0";
+    o.metrics_host = "127.0.0.1";
+    o.metrics_port = 0;
+    o.host.core.models = {"tiny-gqa", "tiny-mla"};
+    o.host.core.policy = PolicyKind::kCacheAware;
+    o.host.apply_slice_events = 8;  // small slices: the flood test interleaves Route
+    auto s = RouterServer::Start(o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    server_ = std::move(*s);
+    addr_ = "127.0.0.1:" + std::to_string(server_->port());
+    auto c = RouterClient::Connect(addr_);
+    ASSERT_TRUE(c.ok()) << c.status();
+    client_ = std::move(*c);
+    auto h = BlockHasher::Create(HashOptions{.model_id = "tiny-gqa", .block_tokens = 16});
+    ASSERT_TRUE(h.ok());
+    hasher_ = std::make_unique<BlockHasher>(*h);
+  }
+
+  void RegisterWorker(const std::string& id, bool events = true) {
+    v1::RegisterRequest r;
+    r.set_source_id(id);
+    r.set_kind(v1::SOURCE_KIND_WORKER);
+    r.set_address(id + ".local:7000");
+    r.mutable_model()->set_name("tiny-gqa");
+    r.set_publishes_events(events);
+    auto resp = client_->Register(r);
+    ASSERT_TRUE(resp.ok()) << resp.status();
+    EXPECT_EQ(resp->next_sequence(), 1u);
+    EXPECT_GT(resp->heartbeat_interval_ms(), 0u);
+  }
+
+  static std::vector<uint32_t> Tokens(uint32_t n, uint32_t salt) {
+    std::vector<uint32_t> t(n);
+    for (uint32_t i = 0; i < n; ++i) t[i] = salt * 100003 + i;
+    return t;
+  }
+
+  static v1::EventBatch Stored(const std::string& source, uint64_t seq, const std::vector<BlockHash>& hashes,
+                               size_t n, bool dump = false) {
+    v1::EventBatch b;
+    b.set_source_id(source);
+    b.set_full_dump(dump);
+    v1::KvEvent* e = b.add_events();
+    e->set_sequence(seq);
+    for (size_t i = 0; i < n; ++i) e->mutable_stored()->add_block_hashes(hashes[i].ToBytes());
+    e->mutable_stored()->set_kind(v1::STATE_KIND_ATTN_KV);
+    e->mutable_stored()->set_tier(v1::TIER_GPU);
+    return b;
+  }
+
+  v1::RouteRequest TokensRequest(const std::vector<uint32_t>& tokens, const std::string& model = "tiny-gqa") {
+    v1::RouteRequest r;
+    r.mutable_model()->set_name(model);
+    for (uint32_t t : tokens) r.add_tokens(t);
+    return r;
+  }
+
+  std::unique_ptr<RouterServer> server_;
+  std::string addr_;
+  std::unique_ptr<RouterClient> client_;
+  std::unique_ptr<BlockHasher> hasher_;
+};
+
+TEST_F(RouterServiceTest, RoutesToTheInstanceThatPublishedThePrefix) {
+  RegisterWorker("w0");
+  RegisterWorker("w1");
+  const auto tokens = Tokens(16 * 8, 1);
+  const auto hashes = hasher_->HashPrefix(tokens);
+  auto pub = client_->PublishEvents({Stored("w1", 1, hashes, 6)});
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  EXPECT_EQ(pub->events_applied(), 1u);
+  EXPECT_EQ(pub->last_sequence(), 1u);
+  EXPECT_FALSE(pub->full_dump_requested());
+
+  auto r = client_->Route(TokensRequest(tokens));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->instance_id(), "w1");
+  EXPECT_EQ(r->instance_address(), "w1.local:7000");
+  EXPECT_EQ(r->gpu_hit_blocks(), 6u);
+  EXPECT_EQ(r->total_blocks(), 8u);
+  EXPECT_EQ(r->policy(), "cache_aware");
+
+  // The same request by hashes gives the same hit.
+  v1::RouteRequest by_hash;
+  by_hash.mutable_model()->set_name("tiny-gqa");
+  for (const auto& h : hashes) by_hash.add_block_hashes(h.ToBytes());
+  by_hash.set_policy("ttft");
+  auto r2 = client_->Route(by_hash);
+  ASSERT_TRUE(r2.ok()) << r2.status();
+  EXPECT_EQ(r2->gpu_hit_blocks(), 6u);
+  EXPECT_EQ(r2->policy(), "ttft");
+
+  auto st = client_->GetStats();
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->instances_size(), 2);
+  EXPECT_EQ(st->index_entries(), 6u);
+  EXPECT_GT(st->index_bytes(), 0u);
+  EXPECT_EQ(st->decisions_by_policy().at("cache_aware"), 1u);
+  EXPECT_EQ(st->decisions_by_policy().at("ttft"), 1u);
+
+  // Completion through the heartbeat releases the optimistic load.
+  v1::HeartbeatRequest hb;
+  hb.set_source_id("w1");
+  hb.add_completed_decisions(r->decision_id());
+  hb.add_completed_decisions(r2->decision_id());
+  ASSERT_TRUE(client_->Heartbeat(hb).ok());
+  st = client_->GetStats();
+  for (const auto& i : st->instances()) EXPECT_EQ(i.inflight_decisions(), 0u) << i.source_id();
+}
+
+TEST_F(RouterServiceTest, GapRequestsDumpAndDumpRestores) {
+  RegisterWorker("w0");
+  const auto hashes = hasher_->HashPrefix(Tokens(16 * 4, 2));
+  auto pub = client_->PublishEvents({Stored("w0", 1, hashes, 1), Stored("w0", 3, hashes, 2)});
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  EXPECT_TRUE(pub->full_dump_requested());
+  EXPECT_EQ(pub->last_sequence(), 1u);
+  v1::HeartbeatRequest hb;
+  hb.set_source_id("w0");
+  auto h = client_->Heartbeat(hb);
+  ASSERT_TRUE(h.ok());
+  EXPECT_TRUE(h->full_dump_requested());
+  v1::EventBatch dump = Stored("w0", 1, hashes, 4, /*dump=*/true);
+  dump.set_dump_sequence(3);
+  pub = client_->PublishEvents({dump, Stored("w0", 4, hashes, 4)});
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  EXPECT_FALSE(pub->full_dump_requested());
+  EXPECT_EQ(pub->last_sequence(), 4u);
+  h = client_->Heartbeat(hb);
+  EXPECT_FALSE(h->full_dump_requested());
+  auto r = client_->Route(TokensRequest(Tokens(16 * 4, 2)));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->gpu_hit_blocks(), 4u);
+}
+
+TEST_F(RouterServiceTest, BadInputGetsClearErrorsAndOthersAreStillServed) {
+  RegisterWorker("w0");
+  auto expect = [](const absl::Status& s, absl::StatusCode code, absl::string_view needle) {
+    EXPECT_EQ(s.code(), code) << s;
+    EXPECT_NE(s.message().find(needle), absl::string_view::npos) << s.message() << " lacks " << needle;
+  };
+  v1::RouteRequest empty;
+  empty.mutable_model()->set_name("tiny-gqa");
+  expect(client_->Route(empty).status(), absl::StatusCode::kInvalidArgument, "tokens/block_hashes");
+  v1::RouteRequest no_model = TokensRequest(Tokens(32, 3));
+  no_model.mutable_model()->clear_name();
+  expect(client_->Route(no_model).status(), absl::StatusCode::kInvalidArgument, "model.name");
+  v1::RouteRequest unknown = TokensRequest(Tokens(32, 3), "llama-9");
+  expect(client_->Route(unknown).status(), absl::StatusCode::kInvalidArgument, "model.name=\"llama-9\"");
+  v1::RouteRequest bs = TokensRequest(Tokens(32, 3));
+  bs.mutable_model()->set_block_tokens(64);
+  expect(client_->Route(bs).status(), absl::StatusCode::kInvalidArgument, "model.block_tokens=64");
+  v1::RouteRequest bad_hash;
+  bad_hash.mutable_model()->set_name("tiny-gqa");
+  bad_hash.add_block_hashes(std::string(16, 'a'));
+  bad_hash.add_block_hashes(std::string(15, 'b'));
+  expect(client_->Route(bad_hash).status(), absl::StatusCode::kInvalidArgument, "block_hashes[1]");
+  v1::RouteRequest both = TokensRequest(Tokens(32, 3));
+  both.add_block_hashes(std::string(16, 'a'));
+  expect(client_->Route(both).status(), absl::StatusCode::kInvalidArgument, "exactly one");
+  v1::RouteRequest no_worker = TokensRequest(Tokens(64, 3), "tiny-mla");
+  expect(client_->Route(no_worker).status(), absl::StatusCode::kUnavailable, "tiny-mla");
+
+  const auto hashes = hasher_->HashPrefix(Tokens(32, 4));
+  expect(client_->PublishEvents({Stored("ghost", 1, hashes, 2)}).status(), absl::StatusCode::kNotFound,
+         "source_id=\"ghost\"");
+  v1::EventBatch malformed = Stored("w0", 1, hashes, 2);
+  malformed.mutable_events(0)->mutable_stored()->set_block_hashes(1, "short");
+  expect(client_->PublishEvents({malformed}).status(), absl::StatusCode::kInvalidArgument,
+         "events[0].stored.block_hashes[1]");
+  v1::EventBatch no_tier = Stored("w0", 1, hashes, 2);
+  no_tier.mutable_events(0)->mutable_stored()->set_tier(v1::TIER_UNSPECIFIED);
+  expect(client_->PublishEvents({no_tier}).status(), absl::StatusCode::kInvalidArgument, "events[0].stored.tier");
+  v1::RegisterRequest bad_reg;
+  bad_reg.set_source_id("w9");
+  expect(client_->Register(bad_reg).status(), absl::StatusCode::kInvalidArgument, "kind");
+  bad_reg.set_kind(v1::SOURCE_KIND_WORKER);
+  bad_reg.mutable_model()->set_name("tiny-gqa");
+  bad_reg.mutable_model()->set_block_tokens(32);
+  expect(client_->Register(bad_reg).status(), absl::StatusCode::kInvalidArgument, "model.block_tokens=32");
+  v1::HeartbeatRequest hb;
+  hb.set_source_id("w0");
+  hb.mutable_load()->set_kv_usage(1.5);
+  expect(client_->Heartbeat(hb).status(), absl::StatusCode::kInvalidArgument, "load.kv_usage");
+  hb.set_source_id("nobody");
+  hb.mutable_load()->set_kv_usage(0.5);
+  auto unknown_hb = client_->Heartbeat(hb);
+  ASSERT_TRUE(unknown_hb.ok());
+  EXPECT_TRUE(unknown_hb->unknown_source());
+
+  // After all that, the router still serves good requests and good events.
+  ASSERT_TRUE(client_->PublishEvents({Stored("w0", 1, hashes, 2)}).ok());
+  auto r = client_->Route(TokensRequest(Tokens(32, 4)));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->gpu_hit_blocks(), 2u);
+}
+
+TEST_F(RouterServiceTest, EventFloodDoesNotStopRoute) {
+  RegisterWorker("w0");
+  RegisterWorker("w1");
+  // One source streams 200 batches of 64 events while another thread routes.
+  std::vector<v1::EventBatch> flood;
+  uint64_t seq = 0;
+  for (int b = 0; b < 200; ++b) {
+    v1::EventBatch batch;
+    batch.set_source_id("w0");
+    for (int e = 0; e < 64; ++e) {
+      const auto hashes = hasher_->HashPrefix(Tokens(16 * 2, static_cast<uint32_t>(1000 + b * 64 + e)));
+      v1::KvEvent* ev = batch.add_events();
+      ev->set_sequence(++seq);
+      for (const auto& h : hashes) ev->mutable_stored()->add_block_hashes(h.ToBytes());
+      ev->mutable_stored()->set_kind(v1::STATE_KIND_ATTN_KV);
+      ev->mutable_stored()->set_tier(v1::TIER_GPU);
+    }
+    flood.push_back(std::move(batch));
+  }
+  std::atomic<bool> flooding{true};
+  std::atomic<int> routed{0}, failed{0};
+  std::thread router([&] {
+    for (int i = 0; flooding.load() || i < 50; ++i) {
+      auto r = client_->Route(TokensRequest(Tokens(64, 7)));
+      (r.ok() ? routed : failed).fetch_add(1);
+    }
+  });
+  auto pub = client_->PublishEvents(flood);
+  flooding = false;
+  router.join();
+  ASSERT_TRUE(pub.ok()) << pub.status();
+  EXPECT_EQ(pub->events_applied(), 200u * 64);
+  EXPECT_EQ(pub->last_sequence(), seq);
+  EXPECT_EQ(failed.load(), 0);
+  EXPECT_GE(routed.load(), 50);
+  auto st = client_->GetStats();
+  EXPECT_EQ(st->index_entries(), 200u * 64 * 2);
+}
+
+TEST_F(RouterServiceTest, HealthServiceAndMetricsEndpoint) {
+  RegisterWorker("w0");
+  ASSERT_TRUE(client_->Route(TokensRequest(Tokens(64, 9))).ok());
+  // grpc.health.v1.Health/Check {service: "kvpool.v1.Router"} -> {status: SERVING (1)}.
+  auto channel = grpc::CreateChannel(addr_, grpc::InsecureChannelCredentials());
+  grpc::GenericStub generic(channel);
+  const std::string service = "kvpool.v1.Router";
+  std::string req_bytes = std::string("\x0a", 1) + static_cast<char>(service.size()) + service;
+  grpc::Slice slice(req_bytes);
+  grpc::ByteBuffer req(&slice, 1), resp;
+  grpc::ClientContext ctx;
+  absl::Notification done;
+  grpc::Status status;
+  generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &req, &resp, [&](grpc::Status s) {
+    status = s;
+    done.Notify();
+  });
+  done.WaitForNotification();
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(resp.Dump(&slices).ok());
+  std::string out;
+  for (const auto& s : slices) out += std::string(reinterpret_cast<const char*>(s.begin()), s.size());
+  EXPECT_EQ(out, std::string("\x08\x01", 2));
+
+  httplib::Client http("127.0.0.1", server_->metrics_port());
+  auto res = http.Get("/metrics");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200);
+  EXPECT_NE(res->body.find("kvpool_router_decisions_total{policy=\"cache_aware\"} 1"), std::string::npos)
+      << res->body;
+  EXPECT_NE(res->body.find("kvpool_router_index_entries"), std::string::npos);
+  EXPECT_NE(res->body.find("kvpool_router_index_bytes_per_entry"), std::string::npos);
+  EXPECT_NE(res->body.find("kvpool_router_event_lag_seconds"), std::string::npos);
+  EXPECT_NE(res->body.find("kvpool_router_predicted_hit_blocks_total{tier=\"gpu\"}"), std::string::npos);
+}
+
+TEST_F(RouterServiceTest, KvctlRouteAndStatus) {
+  RegisterWorker("w0");
+  RegisterWorker("a1", /*events=*/false);
+  auto run = [](std::vector<std::string> args) {
+    args.insert(args.begin(), "kvctl");
+    std::ostringstream out, err;
+    const int code = kvctl::RunKvctl(args, out, err);
+    return std::make_tuple(code, out.str(), err.str());
+  };
+  auto [code, out, err] = run({"route", "--router", addr_, "--model", "tiny-gqa", "--tokens", "0-63", "--json"});
+  ASSERT_EQ(code, 0) << err;
+  auto j = nlohmann::json::parse(out);
+  EXPECT_EQ(j["total_blocks"], 4);
+  const std::string first = j["instance_id"];
+  // Approximate mode: a1 (if chosen) now predicts the prefix; a session sticks.
+  auto [c2, out2, err2] = run({"route", "--router", addr_, "--model", "tiny-gqa", "--tokens", "0-63", "--session",
+                               "s1", "--policy", "session", "--json"});
+  ASSERT_EQ(c2, 0) << err2;
+  const std::string sticky = nlohmann::json::parse(out2)["instance_id"];
+  for (int i = 0; i < 3; ++i) {
+    auto [c3, out3, err3] = run({"route", "--router", addr_, "--model", "tiny-gqa", "--tokens", "5,6,7", "--session",
+                                 "s1", "--policy", "session", "--json"});
+    ASSERT_EQ(c3, 0) << err3;
+    EXPECT_EQ(nlohmann::json::parse(out3)["instance_id"], sticky);
+  }
+  auto h = hasher_->HashPrefix(Tokens(32, 5));
+  auto [c4, out4, err4] =
+      run({"route", "--router", addr_, "--model", "tiny-gqa", "--hashes", h[0].ToHex() + "," + h[1].ToHex()});
+  ASSERT_EQ(c4, 0) << err4;
+  EXPECT_NE(out4.find("route -> "), std::string::npos);
+
+  auto [c5, out5, err5] = run({"status", "--router", addr_, "--json"});
+  ASSERT_EQ(c5, 0) << err5;
+  auto s = nlohmann::json::parse(out5);
+  EXPECT_EQ(s["instances"].size(), 2u);
+  EXPECT_EQ(s["decisions_by_policy"]["session"], 4);
+  auto [c6, out6, err6] = run({"status", "--router", addr_});
+  ASSERT_EQ(c6, 0) << err6;
+  EXPECT_NE(out6.find("approximate"), std::string::npos);
+
+  // Errors name the flag or carry the router's message.
+  auto [c7, o7, e7] = run({"route", "--router", addr_, "--model", "tiny-gqa"});
+  EXPECT_EQ(c7, 2);
+  EXPECT_NE(e7.find("--tokens"), std::string::npos);
+  auto [c8, o8, e8] = run({"route", "--router", addr_, "--model", "nope", "--tokens", "1-40"});
+  EXPECT_EQ(c8, 1);
+  EXPECT_NE(e8.find("INVALID_ARGUMENT"), std::string::npos);
+  auto [c9, o9, e9] = run({"route", "--router", addr_, "--hashes", "xyz"});
+  EXPECT_EQ(c9, 2);
+  EXPECT_NE(e9.find("--hashes[0]"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvpool::router
