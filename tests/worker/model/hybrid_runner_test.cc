@@ -1,0 +1,164 @@
+// ModelRunner on tiny-hybrid (3 KDA + 1 MLA layers, 64-token blocks, a KDA checkpoint
+// every 256 tokens): checkpoint restore + replay (and strict) equal the uninterrupted
+// run, checkpoints saved by decode steps, and blocks + checkpoints imported as bytes.
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kvpool/worker/model/model_runner.h"
+#include "test_util.h"
+
+namespace kvpool::model {
+namespace {
+
+using testing::Concat;
+using testing::MakeRunner;
+using testing::Gen;
+using testing::Tokens;
+
+constexpr int kBlock = 64;
+constexpr int kCheckpoint = 256;
+
+// 5 blocks: the MLA hit m = 320 and the last checkpoint c = 256 below it.
+std::vector<TokenId> Prefix() { return Tokens(5 * kBlock, 31); }
+
+RunnerOptions Mode(cache::HybridHitMode mode) {
+  RunnerOptions o;
+  o.hybrid_mode = mode;
+  return o;
+}
+
+class HybridRunnerTest : public ::testing::TestWithParam<cache::HybridHitMode> {};
+
+TEST_P(HybridRunnerTest, CheckpointRestoreEqualsUninterrupted) {
+  const bool replay = GetParam() == cache::HybridHitMode::kReplay;
+  auto warm = MakeRunner("tiny-hybrid", Mode(GetParam()));
+  auto cold = MakeRunner("tiny-hybrid", Mode(GetParam()));
+  ASSERT_TRUE(warm && cold);
+  Gen(*warm, Concat(Prefix(), Tokens(10, 1)), 2);
+  const auto prompt = Concat(Prefix(), Tokens(12, 2));
+  const GenerateResult hit = Gen(*warm, prompt, 5);
+  EXPECT_EQ(hit.checkpoint_tokens, kCheckpoint);
+  EXPECT_EQ(hit.hit_tokens, replay ? 5 * kBlock : kCheckpoint);
+  EXPECT_EQ(hit.replayed_tokens, replay ? 5 * kBlock - kCheckpoint : 0);
+  EXPECT_EQ(hit.recomputed_tokens, static_cast<int64_t>(prompt.size()) - hit.hit_tokens);
+  const GenerateResult recompute = Gen(*cold, prompt, 5);
+  EXPECT_EQ(recompute.hit_tokens, 0);
+  EXPECT_SAME_OUTPUT(hit, recompute);
+}
+
+TEST(HybridRunnerOnceTest, SharedPrefixInOneBatchWaitsForItsCheckpoint) {
+  // Two requests with the same prefix arrive together: the second may only restore the
+  // checkpoint once the first one's prefill has written it. (Replay mode; strict
+  // restores through the same path.)
+  auto r = MakeRunner("tiny-hybrid");
+  auto cold = MakeRunner("tiny-hybrid");
+  ASSERT_TRUE(r && cold);
+  const auto p1 = Concat(Prefix(), Tokens(10, 1));
+  const auto p2 = Concat(Prefix(), Tokens(12, 2));
+  auto a = r->AddSequence(testing::Req(p1, 2));
+  auto b = r->AddSequence(testing::Req(p2, 3));
+  ASSERT_TRUE(a.ok() && b.ok());
+  while (r->NumUnfinished() > 0) ASSERT_TRUE(r->Step().ok());
+  auto rb = r->TakeResult(*b);
+  ASSERT_TRUE(rb.ok()) << rb.status();
+  EXPECT_EQ(rb->checkpoint_tokens, kCheckpoint);
+  EXPECT_SAME_OUTPUT(*rb, Gen(*cold, p2, 3));
+}
+
+TEST_P(HybridRunnerTest, CheckpointSavedByDecodeEqualsRecompute) {
+  auto warm = MakeRunner("tiny-hybrid", Mode(GetParam()));
+  auto cold = MakeRunner("tiny-hybrid", Mode(GetParam()));
+  ASSERT_TRUE(warm && cold);
+  // Decode crosses token 256: the checkpoint there is saved by a decode step.
+  const auto turn1 = Tokens(kCheckpoint - 6, 41);
+  const GenerateResult r1 = Gen(*warm, turn1, 12);
+  const auto turn2 = Concat(Concat(turn1, r1.output_tokens), Tokens(70, 42));
+  const GenerateResult hit = Gen(*warm, turn2, 4);
+  EXPECT_EQ(hit.checkpoint_tokens, kCheckpoint);
+  EXPECT_EQ(hit.hit_tokens, kCheckpoint);
+  EXPECT_SAME_OUTPUT(hit, Gen(*cold, turn2, 4));
+}
+
+TEST(HybridRunnerOnceTest, CorruptedCheckpointChangesTheOutput) {
+  // The restore path really reads the checkpoint pages (replay mode; strict restores
+  // through the same code).
+  auto warm = MakeRunner("tiny-hybrid");
+  auto cold = MakeRunner("tiny-hybrid");
+  ASSERT_TRUE(warm && cold);
+  Gen(*warm, Concat(Prefix(), Tokens(10, 1)), 1);
+  const auto prompt = Concat(Prefix(), Tokens(12, 2));
+  const auto chain = warm->HashPrompt(prompt, "");
+  const cache::BlockId head =
+      warm->cache().block_pool().GetCachedCheckpoint(chain[kCheckpoint / kBlock - 1]);
+  ASSERT_NE(head, cache::kNoBlock);
+  float* state = reinterpret_cast<float*>(warm->arena().PageAddress(head));
+  for (int i = 0; i < 4096; ++i) state[i] += 0.25f;  // layer 0, head 0
+  const GenerateResult hit = Gen(*warm, prompt, 3);
+  EXPECT_EQ(hit.checkpoint_tokens, kCheckpoint);
+  EXPECT_NE(hit.hidden_digest, Gen(*cold, prompt, 3).hidden_digest);
+}
+
+TEST_P(HybridRunnerTest, ImportedBlocksAndCheckpointEqualRecompute) {
+  const bool replay = GetParam() == cache::HybridHitMode::kReplay;
+  auto a = MakeRunner("tiny-hybrid", Mode(GetParam()));
+  auto cold = MakeRunner("tiny-hybrid", Mode(GetParam()));
+  ASSERT_TRUE(a && cold);
+  Gen(*a, Concat(Prefix(), Tokens(10, 1)), 2);
+  const auto prompt = Concat(Prefix(), Tokens(12, 2));
+  const GenerateResult ref = Gen(*cold, prompt, 4);
+  const auto chain = a->HashPrompt(prompt, "");
+  ASSERT_EQ(chain.size(), 5u);
+  std::vector<std::vector<std::byte>> blocks;
+  for (const BlockHash& h : chain) {
+    auto e = a->ExportBlock(h);
+    ASSERT_TRUE(e.ok()) << e.status();
+    blocks.push_back(*e);
+  }
+  auto ckpt = a->ExportCheckpoint(chain[kCheckpoint / kBlock - 1]);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  EXPECT_EQ(ckpt->size(), static_cast<size_t>(a->arena().state_bytes()));
+
+  {  // Blocks + checkpoint.
+    auto b = MakeRunner("tiny-hybrid", Mode(GetParam()));
+    ASSERT_TRUE(b);
+    PrefixImport im;
+    im.chain = chain;
+    for (const auto& v : blocks) im.blocks.emplace_back(v);
+    im.checkpoints.push_back({chain[kCheckpoint / kBlock - 1], *ckpt});
+    auto stats = b->ImportPrefix(im);
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    EXPECT_EQ(stats->blocks_imported, 5);
+    EXPECT_EQ(stats->checkpoints_imported, 1);
+    const GenerateResult got = Gen(*b, prompt, 4);
+    EXPECT_EQ(got.checkpoint_tokens, kCheckpoint);
+    EXPECT_EQ(got.hit_tokens, replay ? 5 * kBlock : kCheckpoint);
+    EXPECT_SAME_OUTPUT(got, ref);
+  }
+  {  // Blocks only: no checkpoint may be cached without bytes; the KDA state starts
+     // from zero (replay: all 320 tokens through the KDA layers; strict: recompute).
+    auto b = MakeRunner("tiny-hybrid", Mode(GetParam()));
+    ASSERT_TRUE(b);
+    PrefixImport im;
+    im.chain = chain;
+    for (const auto& v : blocks) im.blocks.emplace_back(v);
+    auto stats = b->ImportPrefix(im);
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    EXPECT_EQ(b->cache().block_pool().GetCachedCheckpoint(chain[kCheckpoint / kBlock - 1]),
+              cache::kNoBlock);
+    const GenerateResult got = Gen(*b, prompt, 4);
+    EXPECT_EQ(got.checkpoint_tokens, 0);
+    EXPECT_EQ(got.replayed_tokens, replay ? 5 * kBlock : 0);
+    EXPECT_SAME_OUTPUT(got, ref);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, HybridRunnerTest,
+                         ::testing::Values(cache::HybridHitMode::kReplay,
+                                           cache::HybridHitMode::kStrict),
+                         [](const auto& info) {
+                           return std::string(cache::HybridHitModeName(info.param));
+                         });
+
+}  // namespace
+}  // namespace kvpool::model
