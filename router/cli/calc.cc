@@ -8,6 +8,7 @@
 #include <CLI/CLI.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "format.h"
 #include "kvctl.h"
 #include "kvpool/common/cost_model.h"
 #include "kvpool/common/model_spec.h"
@@ -18,37 +19,6 @@ namespace kvpool::kvctl {
 namespace {
 
 using nlohmann::ordered_json;
-
-// Prints "label  value" lines with aligned values.
-class Report {
- public:
-  void Line(std::string label, std::string value) { rows_.emplace_back(std::move(label), std::move(value)); }
-  void Print(std::ostream& out) const {
-    size_t w = 0;
-    for (const auto& [l, v] : rows_) {
-      if (!v.empty()) w = std::max(w, l.size());
-    }
-    for (const auto& [l, v] : rows_) {
-      if (v.empty()) out << l << "\n";
-      else out << "  " << std::left << std::setw(static_cast<int>(w) + 2) << l << v << "\n";
-    }
-  }
-
- private:
-  std::vector<std::pair<std::string, std::string>> rows_;
-};
-
-std::string Fixed(double v, int digits) {
-  std::ostringstream s;
-  s << std::fixed << std::setprecision(digits) << v;
-  return s.str();
-}
-
-std::string WithCommas(int64_t v) {
-  std::string s = std::to_string(v < 0 ? -v : v);
-  for (int i = static_cast<int>(s.size()) - 3; i > 0; i -= 3) s.insert(static_cast<size_t>(i), ",");
-  return v < 0 ? "-" + s : s;
-}
 
 // Resolves --model (and --kv-dtype); on error reports it naming the flag.
 std::optional<ModelSpec> LoadModel(Io& io, const std::string& model, const std::string& kv_dtype) {

@@ -11,6 +11,7 @@
 #include <CLI/CLI.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "format.h"
 #include "kvctl.h"
 #include "kvpool/common/units.h"
 #include "kvpool/router/policy.h"
@@ -37,18 +38,6 @@ struct SimulateArgs {
   bool json = false;
   SimulateArgs() { sim.time_scale = sim::kDefaultTimeScale; }
 };
-
-std::string Fixed(double v, int digits) {
-  std::ostringstream s;
-  s << std::fixed << std::setprecision(digits) << v;
-  return s.str();
-}
-
-std::string WithCommas(int64_t v) {
-  std::string s = std::to_string(v < 0 ? -v : v);
-  for (int i = static_cast<int>(s.size()) - 3; i > 0; i -= 3) s.insert(static_cast<size_t>(i), ",");
-  return v < 0 ? "-" + s : s;
-}
 
 double Ratio(double a, double b) { return b > 0 ? a / b : 0; }
 

@@ -1,0 +1,39 @@
+#include "format.h"
+
+#include <algorithm>
+#include <iomanip>
+#include <sstream>
+
+namespace kvpool::kvctl {
+
+std::string Fixed(double v, int digits) {
+  std::ostringstream s;
+  s << std::fixed << std::setprecision(digits) << v;
+  return s.str();
+}
+
+std::string WithCommas(int64_t v) {
+  const std::string digits = std::to_string(v < 0 ? -v : v);
+  std::string out = v < 0 ? "-" : "";
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out.push_back(',');
+    out.push_back(digits[i]);
+  }
+  return out;
+}
+
+void Report::Print(std::ostream& out) const {
+  size_t w = 0;
+  for (const auto& [l, v] : rows_) {
+    if (!v.empty()) w = std::max(w, l.size());
+  }
+  for (const auto& [l, v] : rows_) {
+    if (v.empty()) {
+      out << l << "\n";
+    } else {
+      out << "  " << std::left << std::setw(static_cast<int>(w) + 2) << l << v << "\n";
+    }
+  }
+}
+
+}  // namespace kvpool::kvctl

@@ -1,0 +1,31 @@
+// Text formatting shared by kvctl's commands: fixed-point numbers, thousands separators,
+// and aligned "label  value" reports.
+#pragma once
+
+#include <cstdint>
+#include <ostream>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace kvpool::kvctl {
+
+// `v` with `digits` digits after the point: Fixed(2.8959, 3) == "2.896".
+std::string Fixed(double v, int digits);
+// Thousands separators: WithCommas(327680) == "327,680".
+std::string WithCommas(int64_t v);
+
+// Prints "label  value" lines with the values aligned; a line with an empty value is a
+// heading and does not widen the label column.
+class Report {
+ public:
+  void Line(std::string label, std::string value) {
+    rows_.emplace_back(std::move(label), std::move(value));
+  }
+  void Print(std::ostream& out) const;
+
+ private:
+  std::vector<std::pair<std::string, std::string>> rows_;
+};
+
+}  // namespace kvpool::kvctl
