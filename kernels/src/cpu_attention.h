@@ -32,10 +32,10 @@ struct SoftmaxRows {
   }
 };
 
-// Folds a tile of T tokens into `st`. s: [R][kTile] scaled scores, masked ones -inf;
-// overwritten with the tile's probabilities. vrows: [T] V row pointers.
-inline void FoldTile(const SimdOps& ops, const SoftmaxRows& st, int T, float* s,
-                     const void* const* vrows, Elem elem) {
+// The softmax half of FoldTile: updates max/sum of every row with a tile of T scores
+// (s: [R][kTile], masked ones -inf), rescales the accumulators, and overwrites s with
+// the tile's unnormalized probabilities. The caller then accumulates V with them.
+inline void SoftmaxTile(const SimdOps& ops, const SoftmaxRows& st, int T, float* s) {
   for (int r = 0; r < st.R; ++r) {
     float* sr = s + r * kTile;
     float mx = kNegInf;
@@ -56,6 +56,13 @@ inline void FoldTile(const SimdOps& ops, const SoftmaxRows& st, int T, float* s,
     if (c != 1.f) ops.scal(c, st.acc + int64_t{r} * st.dv, st.dv);
     st.m[r] = m_new;
   }
+}
+
+// Folds a tile of T tokens into `st`. s: [R][kTile] scaled scores, masked ones -inf;
+// overwritten with the tile's probabilities. vrows: [T] V row pointers.
+inline void FoldTile(const SimdOps& ops, const SoftmaxRows& st, int T, float* s,
+                     const void* const* vrows, Elem elem) {
+  SoftmaxTile(ops, st, T, s);
   ops.accum(s, st.R, kTile, vrows, elem, T, st.dv, st.acc);
 }
 

@@ -2,8 +2,12 @@
 //
 // Decode work items are (sequence, split of kGqaSplitTokens / kMlaSplitTokens
 // tokens); each walks its tokens in tiles of kTile and, per tile, every K/V head, so a
-// page is read once, front to back. Partials merge per sequence in split order, so the
-// result is independent of the thread count.
+// page is read once, front to back, for all q heads of its group (GQA) or all heads
+// (MLA). Partials merge per sequence in split order, so the result is independent of
+// the thread count.
+// Memory: the loops software-prefetch a fixed distance ahead, kSub tokens between two
+// score sub-blocks (pages are scattered, so hardware prefetchers restart at every
+// page).
 // Prefill items are (sequence, kv head, block of queries) with causal masks per row.
 #include <algorithm>
 #include <cstring>
@@ -43,19 +47,49 @@ inline void SlotOffsets(const int32_t* table_row, int page_size, int64_t token_s
   }
 }
 
-// Prefetches the slots of tokens [t0, t0+T) of one sequence (row bytes from each slot
-// start) into cache. Pages of a sequence are scattered, so the hardware prefetcher
-// restarts at every page; asking one tile ahead keeps DRAM busy across page jumps.
-inline void PrefetchTile(const int32_t* table_row, int page_size, int64_t token_stride, int t0,
-                         int T, const void* base, size_t esz) {
-  const size_t row_bytes = static_cast<size_t>(token_stride) * esz;
-  for (int t = 0; t < T; ++t) {
-    const int pos = t0 + t;
-    const char* p = static_cast<const char*>(base) +
-                    (int64_t{table_row[pos / page_size]} * page_size + pos % page_size) * row_bytes;
-    for (size_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+// Slot of cache position `pos` of one sequence; page sizes are powers of two (1, 16,
+// 64; validated), so no division per token.
+struct SlotMap {
+  const int32_t* row;
+  int shift, mask;
+  SlotMap(const int32_t* table_row, int page_size)
+      : row(table_row), shift(__builtin_ctz(static_cast<unsigned>(page_size))), mask(page_size - 1) {}
+  int64_t operator()(int pos) const { return (int64_t{row[pos >> shift]} << shift) + (pos & mask); }
+};
+
+// One cache line into L1. gcc 12 emitted no prefetch at all for __builtin_prefetch /
+// _mm_prefetch in this file (checked with objdump), so x86 issues the instruction
+// itself; prefetcht0 is baseline SSE.
+inline void PrefetchLine(const char* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht0 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p, 0, 3);
+#endif
+}
+
+// Prefetches `bytes` from byte offset `at` of the slots of positions [p0, p1) into
+// cache. Pages of a sequence are scattered, so the hardware prefetcher restarts at
+// every page; the decode loops ask a fixed distance ahead, a few tokens at a time
+// between compute, so the core keeps misses in flight without a burst that overflows
+// its miss buffers.
+inline void PrefetchSlots(const SlotMap& map, int p0, int p1, const void* base, size_t row_bytes,
+                          size_t at, size_t bytes) {
+  for (int pos = p0; pos < p1; ++pos) {
+    const char* p = static_cast<const char*>(base) + map(pos) * row_bytes + at;
+    for (size_t b = 0; b < bytes; b += 64) PrefetchLine(p + b);
+    PrefetchLine(p + bytes - 1);  // a row not 64-byte aligned spans one more line
   }
 }
+
+// Decode sub-blocks: tokens scored between two prefetch batches (a multiple of 4).
+constexpr int kSub = 16;
+// GQA decode prefetches about this many bytes of K and of V ahead (tiny-gqa, 128-byte
+// head rows: 64 tokens; 256-byte rows: 32 tokens).
+constexpr size_t kPrefetchBytes = 8192;
+// MLA decode prefetch distance in tokens: one sub-block (18 KiB of bf16 entries), far
+// more than the memory latency at >= 500 cycles of FMAs per entry.
+constexpr int kMlaAhead = 16;
 
 // Merges the splits of each sequence into out[b][R][dv].
 void MergeSplits(const CpuContext& cx, const std::vector<int>& first, int batch, int R, int dv,
@@ -102,24 +136,35 @@ void CpuGqaDecode(const CpuContext& cx, const GqaDecodeParams& p) {
       s_big.resize(static_cast<size_t>(kTile) * G);
       sbuf = s_big.data();
     }
+    const SlotMap map(row, kv.page_size);
+    const size_t row_bytes = static_cast<size_t>(token_stride) * esz, head_bytes = d * esz;
+    // Prefetch distance: about kPrefetchBytes of each of K and V ahead (so the current
+    // tile and the prefetched lines fit L1 together), in whole sub-blocks, <= one tile.
+    const int ahead = std::clamp(static_cast<int>(kPrefetchBytes / head_bytes) / kSub * kSub, kSub, kTile);
     int64_t off[kTile];
     const void* krows[kTile];
     const void* vrows[kTile];
     for (int t0 = sp.t0; t0 < sp.t1; t0 += kTile) {
       const int T = std::min(kTile, sp.t1 - t0);
-      SlotOffsets(row, kv.page_size, token_stride, t0, T, off);
-      if (t0 + kTile < sp.t1) {
-        const int next = std::min(kTile, sp.t1 - t0 - kTile);
-        PrefetchTile(row, kv.page_size, token_stride, t0 + kTile, next, kv.k, esz);
-        PrefetchTile(row, kv.page_size, token_stride, t0 + kTile, next, kv.v, esz);
-      }
+      for (int t = 0; t < T; ++t) off[t] = map(t0 + t) * token_stride;
       for (int h = 0; h < Hkv; ++h) {
         for (int t = 0; t < T; ++t) {
           krows[t] = static_cast<const char*>(kv.k) + (off[t] + int64_t{h} * d) * esz;
           vrows[t] = static_cast<const char*>(kv.v) + (off[t] + int64_t{h} * d) * esz;
         }
         const SoftmaxRows st{G, d, all.m + h * G, all.l + h * G, all.acc + int64_t{h} * G * d};
-        cx.ops->score(q + int64_t{h} * G * d, G, d, krows, elem, T, p.scale, sbuf, kTile);
+        // Scores in sub-blocks of kSub tokens; between them, prefetch this head's K and
+        // V rows `ahead` tokens ahead (sub-blocks are a multiple of 4 tokens, so the
+        // score kernels group tokens exactly as over the whole tile).
+        for (int u = 0; u < T; u += kSub) {
+          const int n = std::min(kSub, T - u);
+          const int pf0 = t0 + ahead + u, pf1 = std::min(sp.t1, pf0 + kSub);
+          if (pf0 < pf1) {
+            PrefetchSlots(map, pf0, pf1, kv.k, row_bytes, h * head_bytes, head_bytes);
+            PrefetchSlots(map, pf0, pf1, kv.v, row_bytes, h * head_bytes, head_bytes);
+          }
+          cx.ops->score(q + int64_t{h} * G * d, G, d, krows + u, elem, n, p.scale, sbuf + u, kTile);
+        }
         FoldTile(*cx.ops, st, T, sbuf, vrows, elem);
       }
     }
@@ -142,18 +187,20 @@ void CpuMlaDecodeAbsorbed(const CpuContext& cx, const MlaDecodeParams& p) {
     const SoftmaxRows st{H, rank, &ws_m[si * H], &ws_l[si * H], &ws_acc[si * H * rank]};
     st.Reset();
     std::vector<float> s(static_cast<size_t>(kTile) * H);
-    int64_t off[kTile];
+    const SlotMap map(row, kv.page_size);
+    const size_t row_bytes = static_cast<size_t>(entry) * esz;
+    const float* q = p.q + int64_t{sp.b} * H * entry;
     const void* rows[kTile];
     for (int t0 = sp.t0; t0 < sp.t1; t0 += kTile) {
       const int T = std::min(kTile, sp.t1 - t0);
-      SlotOffsets(row, kv.page_size, entry, t0, T, off);
-      if (t0 + kTile < sp.t1) {
-        PrefetchTile(row, kv.page_size, entry, t0 + kTile, std::min(kTile, sp.t1 - t0 - kTile),
-                     kv.entries, esz);
+      for (int t = 0; t < T; ++t) rows[t] = static_cast<const char*>(kv.entries) + map(t0 + t) * row_bytes;
+      // Entries are 1152 bytes (bf16): prefetch kMlaAhead tokens ahead, kSub at a time.
+      for (int u = 0; u < T; u += kSub) {
+        const int n = std::min(kSub, T - u);
+        const int pf0 = t0 + u + kMlaAhead, pf1 = std::min(sp.t1, pf0 + kSub);
+        if (pf0 < pf1) PrefetchSlots(map, pf0, pf1, kv.entries, row_bytes, 0, row_bytes);
+        cx.ops->score(q, H, entry, rows + u, elem, n, p.scale, s.data() + u, kTile);
       }
-      for (int t = 0; t < T; ++t) rows[t] = static_cast<const char*>(kv.entries) + off[t] * esz;
-      cx.ops->score(p.q + int64_t{sp.b} * H * entry, H, entry, rows, elem, T, p.scale, s.data(),
-                    kTile);
       FoldTile(*cx.ops, st, T, s.data(), rows, elem);  // V = the first 512 of each entry
     }
   });

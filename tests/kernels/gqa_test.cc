@@ -112,6 +112,24 @@ TEST_P(GqaTest, DecodeIsBitwiseReproducible) {
   }
 }
 
+// A wide group (12 q heads per K/V head: three blocks of 4 rows in the score and
+// accum kernels) over split-K chunks: same oracle tolerance, and bitwise independent of
+// the thread count.
+TEST_P(GqaTest, DecodeWideGroupIsBitwiseReproducibleAcrossThreads) {
+  double w1 = 0, w2 = 0;
+  const std::vector<int> lens = {2100, 77, 0};
+  const auto a = RunDecode(be_.get(), DType::kBf16, 16, {64, 12, 1}, lens, 11, &w1);
+  EXPECT_LE(w1, 1.0);
+  if (GetParam() == Backend::kCpuOptimized) {
+    for (int threads : {1, 3}) {
+      auto other = MakeBackend(Backend::kCpuOptimized, threads);
+      const auto c = RunDecode(other.get(), DType::kBf16, 16, {64, 12, 1}, lens, 11, &w2);
+      ASSERT_EQ(a.size(), c.size());
+      EXPECT_EQ(std::memcmp(a.data(), c.data(), a.size() * sizeof(float)), 0) << threads;
+    }
+  }
+}
+
 // Prefill: sequences of (cached prefix, new tokens); the new tokens' K/V are the last
 // q_len entries of each sequence.
 void CheckPrefill(KernelBackend* be, DType dt, int page, GqaShape s,

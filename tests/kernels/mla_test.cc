@@ -56,6 +56,36 @@ TEST_P(MlaTest, AbsorbedDecodeMatchesContiguousOracle) {
   }
 }
 
+// 16 heads over two split-K chunks: bitwise the same for any thread count.
+TEST_P(MlaTest, AbsorbedDecodeIsBitwiseReproducibleAcrossThreads) {
+  if (GetParam() != Backend::kCpuOptimized) GTEST_SKIP() << "thread counts apply to cpu_optimized";
+  const int H = 16;
+  const std::vector<int> lens = {1100, 3};
+  PagedStore c(DType::kBf16, 64, kEntry, lens, 77);
+  const int batch = static_cast<int>(lens.size());
+  const std::vector<float> q = RandomVec(static_cast<size_t>(batch) * H * kEntry, 78);
+  auto run = [&](int threads) {
+    auto be = MakeBackend(Backend::kCpuOptimized, threads);
+    std::vector<float> out(static_cast<size_t>(batch) * H * kRank, std::nanf(""));
+    MlaDecodeParams p;
+    p.q = q.data();
+    p.out = out.data();
+    p.kv.entries = c.bytes.data();
+    p.kv.dtype = DType::kBf16;
+    p.kv.num_pages = c.num_pages;
+    p.table = {c.table.data(), c.seq_lens.data(), batch, c.max_blocks};
+    p.num_heads = H;
+    p.scale = 1.f / std::sqrt(192.f);
+    EXPECT_TRUE(be->MlaDecodeAbsorbed(p).ok());
+    return out;
+  };
+  const std::vector<float> a = run(2);
+  for (int threads : {1, 3}) {
+    const std::vector<float> b = run(threads);
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << threads;
+  }
+}
+
 TEST_P(MlaTest, RefusesPagesOtherThan64) {
   std::vector<uint16_t> pages(16 * kEntry);
   std::vector<int32_t> table = {0}, lens = {4};
