@@ -93,73 +93,168 @@ bool KvIndex::stale(SourceSlot slot) const {
   return slot < sources_.size() && sources_[slot].stale;
 }
 
+uint32_t KvIndex::NextTick() {
+  if (tick_ == ~uint32_t{0}) {
+    // Wrap: halve every age 16 times over (order kept, ties possible); once per 4G calls.
+    for (auto& [key, e] : map_) e.age >>= 16;
+    tick_ >>= 16;
+  }
+  return ++tick_;
+}
+
+bool KvIndex::HasGpu(const Entry& e, SourceSlot slot) {
+  if (slot < 64) return (e.gpu0 >> slot) & 1;
+  if (e.spill == nullptr) return false;
+  for (const GpuWord& w : e.spill->gpu) {
+    if (w.word == slot / 64) return (w.bits >> (slot % 64)) & 1;
+  }
+  return false;
+}
+
+template <typename G, typename P>
+void KvIndex::ForEachHolder(const Entry& e, G&& gpu, P&& pool) {
+  for (uint64_t bits = e.gpu0; bits != 0; bits &= bits - 1) gpu(static_cast<SourceSlot>(std::countr_zero(bits)));
+  if (e.spill != nullptr) {
+    for (const GpuWord& w : e.spill->gpu) {
+      for (uint64_t bits = w.bits; bits != 0; bits &= bits - 1) {
+        gpu(w.word * 64 + static_cast<SourceSlot>(std::countr_zero(bits)));
+      }
+    }
+  }
+  if (e.pool_slot != kNoSlot) pool(e.pool_slot, e.pool_tiers);
+  if (e.spill != nullptr) {
+    for (const PoolHolder& p : e.spill->pool) pool(p.slot, p.tiers);
+  }
+}
+
+void KvIndex::FixPool(Entry& e) {
+  if (e.spill != nullptr) {
+    if (e.pool_slot == kNoSlot && !e.spill->pool.empty()) {
+      e.pool_slot = e.spill->pool.front().slot;
+      e.pool_tiers = e.spill->pool.front().tiers;
+      e.spill->pool.erase(e.spill->pool.begin());
+    }
+    if (e.spill->gpu.empty() && e.spill->pool.empty()) e.spill.reset();
+  }
+  uint8_t all = e.pool_slot != kNoSlot ? e.pool_tiers : 0;
+  if (e.spill != nullptr) {
+    for (const PoolHolder& p : e.spill->pool) all |= p.tiers;
+  }
+  e.all_pool_tiers = all;
+}
+
 bool KvIndex::AddHolder(Entry& e, SourceSlot slot, Tier tier) {
   if (tier == Tier::kGpu) {
+    if (slot < 64) {
+      const uint64_t bit = uint64_t{1} << slot;
+      if (e.gpu0 & bit) return false;
+      e.gpu0 |= bit;
+      return true;
+    }
+    if (e.spill == nullptr) e.spill = std::make_unique<Spill>();
+    auto& words = e.spill->gpu;
     const uint32_t word = slot / 64;
     const uint64_t bit = uint64_t{1} << (slot % 64);
-    auto it = std::lower_bound(e.gpu.begin(), e.gpu.end(), word,
+    auto it = std::lower_bound(words.begin(), words.end(), word,
                                [](const GpuWord& w, uint32_t x) { return w.word < x; });
-    if (it != e.gpu.end() && it->word == word) {
+    if (it != words.end() && it->word == word) {
       if (it->bits & bit) return false;
       it->bits |= bit;
     } else {
-      e.gpu.insert(it, GpuWord{word, bit});
+      words.insert(it, GpuWord{word, bit});
     }
     return true;
   }
   const uint8_t tb = static_cast<uint8_t>(1u << static_cast<int>(tier));
-  for (PoolHolder& p : e.pool) {
+  e.all_pool_tiers |= tb;
+  if (e.pool_slot == slot) {
+    e.pool_tiers |= tb;
+    return false;  // the same (hash, holder) pair, another tier
+  }
+  if (e.pool_slot == kNoSlot) {
+    e.pool_slot = slot;
+    e.pool_tiers = tb;
+    return true;
+  }
+  if (e.spill == nullptr) e.spill = std::make_unique<Spill>();
+  for (PoolHolder& p : e.spill->pool) {
     if (p.slot == slot) {
       p.tiers |= tb;
-      return false;  // the same (hash, holder) pair, another tier
+      return false;
     }
   }
-  e.pool.push_back(PoolHolder{slot, tb});
+  e.spill->pool.push_back(PoolHolder{slot, tb});
   return true;
 }
 
 bool KvIndex::RemoveHolder(Entry& e, SourceSlot slot, Tier tier) {
   if (tier == Tier::kGpu) {
+    if (slot < 64) {
+      const uint64_t bit = uint64_t{1} << slot;
+      if (!(e.gpu0 & bit)) return false;
+      e.gpu0 &= ~bit;
+      return true;
+    }
+    if (e.spill == nullptr) return false;
+    auto& words = e.spill->gpu;
     const uint32_t word = slot / 64;
     const uint64_t bit = uint64_t{1} << (slot % 64);
-    for (auto it = e.gpu.begin(); it != e.gpu.end(); ++it) {
+    for (auto it = words.begin(); it != words.end(); ++it) {
       if (it->word != word) continue;
       if (!(it->bits & bit)) return false;
       it->bits &= ~bit;
-      if (it->bits == 0) e.gpu.erase(it);
+      if (it->bits == 0) {
+        words.erase(it);
+        FixPool(e);
+      }
       return true;
     }
     return false;
   }
   const uint8_t tb = static_cast<uint8_t>(1u << static_cast<int>(tier));
-  for (auto it = e.pool.begin(); it != e.pool.end(); ++it) {
-    if (it->slot != slot) continue;
-    it->tiers &= static_cast<uint8_t>(~tb);
-    if (it->tiers != 0) return false;
-    e.pool.erase(it);
-    return true;
+  if (!(e.all_pool_tiers & tb)) return false;
+  bool removed = false;
+  if (e.pool_slot == slot) {
+    e.pool_tiers &= static_cast<uint8_t>(~tb);
+    if (e.pool_tiers == 0) {
+      e.pool_slot = kNoSlot;
+      removed = true;
+    }
+  } else if (e.spill != nullptr) {
+    auto& pool = e.spill->pool;
+    for (auto it = pool.begin(); it != pool.end(); ++it) {
+      if (it->slot != slot) continue;
+      it->tiers &= static_cast<uint8_t>(~tb);
+      if (it->tiers == 0) {
+        pool.erase(it);
+        removed = true;
+      }
+      break;
+    }
   }
-  return false;
+  FixPool(e);
+  return removed;
 }
 
 bool KvIndex::RemoveAllHolders(Entry& e, SourceSlot slot) {
   bool removed = RemoveHolder(e, slot, Tier::kGpu);
-  for (auto it = e.pool.begin(); it != e.pool.end(); ++it) {
-    if (it->slot == slot) {
-      e.pool.erase(it);
-      return true;
+  if (e.pool_slot == slot) {
+    e.pool_slot = kNoSlot;
+    e.pool_tiers = 0;
+    FixPool(e);
+    return true;
+  }
+  if (e.spill != nullptr) {
+    auto& pool = e.spill->pool;
+    for (auto it = pool.begin(); it != pool.end(); ++it) {
+      if (it->slot == slot) {
+        pool.erase(it);
+        FixPool(e);
+        return true;
+      }
     }
   }
   return removed;
-}
-
-void KvIndex::EraseEntry(Map::iterator it) {
-  const BlockHash parent = it->second.parent;
-  map_.erase(it);
-  if (!parent.IsZero()) {
-    auto p = map_.find(parent);
-    if (p != map_.end() && p->second.num_children > 0) --p->second.num_children;
-  }
 }
 
 void KvIndex::ResetSource(SourceSlot slot) {
@@ -181,15 +276,7 @@ void KvIndex::ClearSource(SourceSlot slot) {
     auto cur = it++;
     if (RemoveAllHolders(cur->second, slot)) {
       --entries_;
-      if (cur->second.empty()) {
-        // Parent bookkeeping without invalidating `it`: erase never moves other slots.
-        const BlockHash parent = cur->second.parent;
-        map_.erase(cur);
-        if (!parent.IsZero()) {
-          auto p = map_.find(parent);
-          if (p != map_.end() && p->second.num_children > 0) --p->second.num_children;
-        }
-      }
+      if (cur->second.empty()) map_.erase(cur);  // erase never moves other slots
     }
   }
   s.entries = 0;
@@ -198,50 +285,55 @@ void KvIndex::ClearSource(SourceSlot slot) {
 void KvIndex::Store(SourceSlot slot, const BlockHash& parent, std::span<const BlockHash> hashes,
                     Tier tier, StateKind kind) {
   SourceState& s = Source(slot);
-  ++tick_;
+  const uint32_t tick = NextTick();
   const bool state = kind == StateKind::kLinearState;
   BlockHash prev = parent;
-  Entry* prev_entry = nullptr;  // valid while the table does not rehash
-  size_t prev_capacity = 0;
+  size_t added = 0;
+  const uint64_t gpu_bit = (tier == Tier::kGpu && slot < 64) ? uint64_t{1} << slot : 0;
   for (const BlockHash& h : hashes) {
     auto [it, inserted] = map_.try_emplace(state ? StateKey(h) : h);
     Entry& e = it->second;
     if (inserted) {
       e.is_state = state;
-      if (!state && !prev.IsZero()) {
-        e.parent = prev;
-        Entry* p = (prev_entry != nullptr && map_.capacity() == prev_capacity) ? prev_entry : nullptr;
-        if (p == nullptr) {
-          auto pit = map_.find(prev);
-          if (pit != map_.end()) p = &pit->second;
-        }
-        if (p != nullptr) ++p->num_children;
-      }
+      if (!state) e.parent = prev;
     }
-    e.last_used = tick_;
-    if (AddHolder(e, slot, tier)) {
-      ++entries_;
-      ++s.entries;
+    e.age = tick;
+    if (gpu_bit != 0) {  // inline fast path: a GPU holder in slots [0, 64)
+      added += (e.gpu0 & gpu_bit) == 0 ? 1 : 0;
+      e.gpu0 |= gpu_bit;
+    } else {
+      added += AddHolder(e, slot, tier) ? 1 : 0;
     }
     prev = h;
-    prev_entry = &e;
-    prev_capacity = map_.capacity();
   }
+  entries_ += added;
+  s.entries += added;
   MaybePrune();
 }
 
 void KvIndex::Remove(SourceSlot slot, std::span<const BlockHash> hashes, Tier tier, StateKind kind) {
   SourceState& s = Source(slot);
   const bool state = kind == StateKind::kLinearState;
+  size_t removed = 0;
+  const uint64_t gpu_bit = (tier == Tier::kGpu && slot < 64) ? uint64_t{1} << slot : 0;
   for (const BlockHash& h : hashes) {
     auto it = map_.find(state ? StateKey(h) : h);
     if (it == map_.end()) continue;
+    if (gpu_bit != 0) {  // inline fast path: a GPU holder in slots [0, 64)
+      Entry& e = it->second;
+      if ((e.gpu0 & gpu_bit) == 0) continue;
+      e.gpu0 &= ~gpu_bit;
+      ++removed;
+      if (e.gpu0 == 0 && e.pool_slot == kNoSlot && e.spill == nullptr) map_.erase(it);
+      continue;
+    }
     if (RemoveHolder(it->second, slot, tier)) {
-      --entries_;
-      --s.entries;
-      if (it->second.empty()) EraseEntry(it);
+      ++removed;
+      if (it->second.empty()) map_.erase(it);
     }
   }
+  entries_ -= removed;
+  s.entries -= removed;
 }
 
 void KvIndex::ApplyEvent(SourceSlot slot, const KvEvent& event) {
@@ -302,62 +394,88 @@ ApplyResult KvIndex::ApplyBatch(SourceSlot slot, const EventBatch& batch) {
 }
 
 void KvIndex::FindMatches(std::span<const BlockHash> hashes, MatchResult* out) {
-  out->Clear();
-  ++tick_;
-  absl::InlinedVector<GpuWord, 4> active;
-  uint32_t i = 0;
+  out->gpu.clear();
   const uint32_t n = static_cast<uint32_t>(hashes.size());
+  out->in_pool.resize(n);
+  uint8_t* in_pool = out->in_pool.data();
+  const uint32_t tick = NextTick();
+  // Slots < 64: one mask; end0[b] = the block where slot b's GPU prefix ends.
+  uint64_t active0 = 0, matched0 = 0;
+  uint32_t end0[64];
+  // Slots >= 64 (rare): words of the first block's spill, ANDed likewise.
+  absl::InlinedVector<GpuWord, 2> active_hi;
+  std::vector<GpuMatch>& gpu = out->gpu;
+  uint32_t i = 0;
   for (; i < n; ++i) {
     auto it = map_.find(hashes[i]);
     if (it == map_.end()) break;
     Entry& e = it->second;
-    e.last_used = tick_;
-    uint8_t tiers = 0;
-    for (const PoolHolder& p : e.pool) tiers |= p.tiers;
-    out->in_pool.push_back(tiers);
+    e.age = tick;
+    in_pool[i] = e.all_pool_tiers;
     if (i == 0) {
-      active.assign(e.gpu.begin(), e.gpu.end());
+      active0 = matched0 = e.gpu0;
+      if (e.spill != nullptr) active_hi.assign(e.spill->gpu.begin(), e.spill->gpu.end());
       continue;
     }
-    if (active.empty()) continue;
-    // active &= e.gpu (both sorted by word); sources dropping out end their prefix at i.
-    size_t k = 0, out_n = 0;
-    for (size_t a = 0; a < active.size(); ++a) {
-      while (k < e.gpu.size() && e.gpu[k].word < active[a].word) ++k;
-      const uint64_t keep =
-          (k < e.gpu.size() && e.gpu[k].word == active[a].word) ? active[a].bits & e.gpu[k].bits : 0;
-      uint64_t dropped = active[a].bits & ~keep;
-      while (dropped != 0) {
-        const int b = std::countr_zero(dropped);
-        dropped &= dropped - 1;
-        out->gpu.push_back(GpuMatch{active[a].word * 64 + static_cast<uint32_t>(b), i});
+    uint64_t dropped = active0 & ~e.gpu0;
+    active0 &= e.gpu0;
+    for (; dropped != 0; dropped &= dropped - 1) end0[std::countr_zero(dropped)] = i;
+    if (!active_hi.empty()) [[unlikely]] {
+      // active_hi &= the entry's words (both sorted by word); dropped sources end at i.
+      const GpuWord* w = e.spill != nullptr ? e.spill->gpu.data() : nullptr;
+      const size_t nw = e.spill != nullptr ? e.spill->gpu.size() : 0;
+      size_t k = 0, out_n = 0;
+      for (size_t a = 0; a < active_hi.size(); ++a) {
+        while (k < nw && w[k].word < active_hi[a].word) ++k;
+        const uint64_t keep = (k < nw && w[k].word == active_hi[a].word) ? active_hi[a].bits & w[k].bits : 0;
+        for (uint64_t d = active_hi[a].bits & ~keep; d != 0; d &= d - 1) {
+          gpu.push_back(GpuMatch{active_hi[a].word * 64 + static_cast<uint32_t>(std::countr_zero(d)), i});
+        }
+        if (keep != 0) active_hi[out_n++] = GpuWord{active_hi[a].word, keep};
       }
-      if (keep != 0) active[out_n++] = GpuWord{active[a].word, keep};
+      active_hi.resize(out_n);
     }
-    active.resize(out_n);
   }
   out->walked_blocks = i;
-  for (const GpuWord& w : active) {
-    uint64_t bits = w.bits;
-    while (bits != 0) {
-      const int b = std::countr_zero(bits);
-      bits &= bits - 1;
-      out->gpu.push_back(GpuMatch{w.word * 64 + static_cast<uint32_t>(b), i});
+  out->in_pool.resize(i);
+  for (uint64_t b = active0; b != 0; b &= b - 1) end0[std::countr_zero(b)] = i;
+  for (const GpuWord& w : active_hi) {
+    for (uint64_t b = w.bits; b != 0; b &= b - 1) {
+      gpu.push_back(GpuMatch{w.word * 64 + static_cast<uint32_t>(std::countr_zero(b)), i});
     }
   }
-  std::sort(out->gpu.begin(), out->gpu.end(),
-            [](const GpuMatch& a, const GpuMatch& b) { return a.source < b.source; });
-  out->pool_prefix = out->PoolRunFrom(0);
+  if (!gpu.empty()) {  // slots >= 64: sort them, then put slots < 64 (ascending) in front
+    std::sort(gpu.begin(), gpu.end(), [](const GpuMatch& a, const GpuMatch& b) { return a.source < b.source; });
+    const size_t lo = static_cast<size_t>(std::popcount(matched0));
+    gpu.insert(gpu.begin(), lo, GpuMatch{0, 0});
+    size_t k = 0;
+    for (uint64_t b = matched0; b != 0; b &= b - 1) {
+      const int s = std::countr_zero(b);
+      gpu[k++] = GpuMatch{static_cast<SourceSlot>(s), end0[s]};
+    }
+  } else {
+    for (uint64_t b = matched0; b != 0; b &= b - 1) {
+      const int s = std::countr_zero(b);
+      gpu.push_back(GpuMatch{static_cast<SourceSlot>(s), end0[s]});
+    }
+  }
+  uint32_t p = 0;
+  while (p < i && in_pool[p] != 0) ++p;
+  out->pool_prefix = p;
 }
 
 std::vector<PoolRun> KvIndex::PoolLocations(std::span<const BlockHash> hashes, uint32_t first,
                                             uint32_t num) const {
   std::vector<PoolRun> runs;
   const uint32_t end = std::min<uint32_t>(first + num, static_cast<uint32_t>(hashes.size()));
+  absl::InlinedVector<PoolHolder, 4> pool;
   for (uint32_t i = first; i < end; ++i) {
     auto it = map_.find(hashes[i]);
-    if (it == map_.end() || it->second.pool.empty()) break;
-    const auto& pool = it->second.pool;
+    if (it == map_.end() || it->second.pool_slot == kNoSlot) break;
+    const Entry& e = it->second;
+    pool.clear();
+    pool.push_back(PoolHolder{e.pool_slot, e.pool_tiers});
+    if (e.spill != nullptr) pool.insert(pool.end(), e.spill->pool.begin(), e.spill->pool.end());
     const PoolHolder* pick = nullptr;
     auto tier_of = [](const PoolHolder& p) {
       return (p.tiers & (1u << static_cast<int>(Tier::kDram))) ? Tier::kDram : Tier::kNvme;
@@ -389,16 +507,12 @@ std::vector<PoolRun> KvIndex::PoolLocations(std::span<const BlockHash> hashes, u
 
 bool KvIndex::HasState(const BlockHash& h, SourceSlot slot) const {
   auto it = map_.find(StateKey(h));
-  if (it == map_.end()) return false;
-  for (const GpuWord& w : it->second.gpu) {
-    if (w.word == slot / 64) return (w.bits >> (slot % 64)) & 1;
-  }
-  return false;
+  return it != map_.end() && HasGpu(it->second, slot);
 }
 
 bool KvIndex::PoolHasState(const BlockHash& h) const {
   auto it = map_.find(StateKey(h));
-  return it != map_.end() && !it->second.pool.empty();
+  return it != map_.end() && it->second.pool_slot != kNoSlot;
 }
 
 EventBatch KvIndex::Dump(SourceSlot slot) const {
@@ -406,24 +520,20 @@ EventBatch KvIndex::Dump(SourceSlot slot) const {
   b.full_dump = true;
   b.dump_sequence = last_sequence(slot);
   uint64_t seq = 0;
-  const uint32_t word = slot / 64;
-  const uint64_t bit = uint64_t{1} << (slot % 64);
   for (const auto& [key, e] : map_) {
     const BlockHash h = e.is_state ? StateKey(key) : key;
     const StateKind kind = e.is_state ? StateKind::kLinearState : StateKind::kAttnKv;
-    for (const GpuWord& w : e.gpu) {
-      if (w.word == word && (w.bits & bit)) {
-        b.events.push_back(KvEvent::Stored(++seq, e.parent, {h}, Tier::kGpu, kind));
-      }
-    }
-    for (const PoolHolder& p : e.pool) {
-      if (p.slot != slot) continue;
-      for (Tier t : {Tier::kDram, Tier::kNvme}) {
-        if (p.tiers & (1u << static_cast<int>(t))) {
-          b.events.push_back(KvEvent::Stored(++seq, e.parent, {h}, t, kind));
-        }
-      }
-    }
+    if (HasGpu(e, slot)) b.events.push_back(KvEvent::Stored(++seq, e.parent, {h}, Tier::kGpu, kind));
+    ForEachHolder(
+        e, [](SourceSlot) {},
+        [&](SourceSlot s, uint8_t tiers) {
+          if (s != slot) return;
+          for (Tier t : {Tier::kDram, Tier::kNvme}) {
+            if (tiers & (1u << static_cast<int>(t))) {
+              b.events.push_back(KvEvent::Stored(++seq, e.parent, {h}, t, kind));
+            }
+          }
+        });
   }
   return b;
 }
@@ -431,8 +541,9 @@ EventBatch KvIndex::Dump(SourceSlot slot) const {
 size_t KvIndex::MemoryBytes() const {
   size_t bytes = map_.capacity() * (sizeof(Map::value_type) + 1) + sources_.capacity() * sizeof(SourceState);
   for (const auto& [key, e] : map_) {
-    if (e.gpu.size() > 1) bytes += e.gpu.capacity() * sizeof(GpuWord);
-    if (e.pool.size() > 1) bytes += e.pool.capacity() * sizeof(PoolHolder);
+    if (e.spill == nullptr) continue;
+    bytes += sizeof(Spill) + e.spill->pool.capacity() * sizeof(PoolHolder);
+    if (e.spill->gpu.size() > 1) bytes += e.spill->gpu.capacity() * sizeof(GpuWord);
   }
   return bytes;
 }
@@ -441,17 +552,23 @@ void KvIndex::MaybePrune() {
   if (entries_ <= options_.max_entries) return;
   const size_t target =
       static_cast<size_t>(static_cast<double>(options_.max_entries) * (1.0 - options_.prune_fraction));
+  // Children per block, counted now (lookups and events never pay for it): a block is a
+  // leaf when no stored block names it as parent.
+  absl::flat_hash_map<BlockHash, uint32_t, Hasher> children;
+  for (const auto& [key, e] : map_) {
+    if (!e.parent.IsZero() && map_.contains(e.parent)) ++children[e.parent];
+  }
   // A min-heap of leaves by age; erasing a leaf can make its parent a leaf, which then
   // competes by its own age. So a cold chain is eaten from its tail before any block of
   // a hot chain, and no chain gets a hole.
-  using Item = std::pair<uint64_t, BlockHash>;
+  using Item = std::pair<uint32_t, BlockHash>;
   auto older = [](const Item& a, const Item& b) { return a.first > b.first; };
   std::vector<Item> heap;
   for (const auto& [key, e] : map_) {
-    if (e.num_children == 0) heap.emplace_back(e.last_used, key);
+    if (!children.contains(key)) heap.emplace_back(e.age, key);
   }
-  if (heap.empty()) {  // only with inconsistent child counts: age alone
-    for (const auto& [key, e] : map_) heap.emplace_back(e.last_used, key);
+  if (heap.empty()) {  // only with a parent cycle (a hash collision): age alone
+    for (const auto& [key, e] : map_) heap.emplace_back(e.age, key);
   }
   std::make_heap(heap.begin(), heap.end(), older);
   while (entries_ > target && !heap.empty()) {
@@ -461,26 +578,29 @@ void KvIndex::MaybePrune() {
     auto it = map_.find(key);
     if (it == map_.end()) continue;
     Entry& e = it->second;
-    size_t n = e.pool.size();
-    for (const GpuWord& w : e.gpu) {
-      uint64_t bits = w.bits;
-      while (bits != 0) {
-        const int b = std::countr_zero(bits);
-        bits &= bits - 1;
-        --sources_[w.word * 64 + static_cast<uint32_t>(b)].entries;
-      }
-      n += static_cast<size_t>(std::popcount(w.bits));
-    }
-    for (const PoolHolder& p : e.pool) --sources_[p.slot].entries;
+    size_t n = 0;
+    ForEachHolder(
+        e,
+        [&](SourceSlot s) {
+          --sources_[s].entries;
+          ++n;
+        },
+        [&](SourceSlot s, uint8_t) {
+          --sources_[s].entries;
+          ++n;
+        });
     entries_ -= n;
     pruned_ += n;
     const BlockHash parent = e.parent;
-    EraseEntry(it);
+    map_.erase(it);
     if (!parent.IsZero()) {
-      auto p = map_.find(parent);
-      if (p != map_.end() && p->second.num_children == 0) {
-        heap.emplace_back(p->second.last_used, parent);
-        std::push_heap(heap.begin(), heap.end(), older);
+      auto c = children.find(parent);
+      if (c != children.end() && --c->second == 0) {
+        auto p = map_.find(parent);
+        if (p != map_.end()) {
+          heap.emplace_back(p->second.age, parent);
+          std::push_heap(heap.begin(), heap.end(), older);
+        }
       }
     }
   }

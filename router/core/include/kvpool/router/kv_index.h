@@ -25,14 +25,18 @@
 // LINEAR_STATE (KDA checkpoint) objects are kept under a key derived from the boundary
 // block's hash, so they never match as KV; see HasState.
 //
-// Cost: FindMatches is one hash probe per block plus one AND per 64 sources per block;
-// RemoveSource, cleared events, full dumps and Dump scan the whole index (O(entries)).
+// Cost: FindMatches is one hash probe per block plus one AND per 64 sources per block
+// (a 64-bit mask inline in the entry for slots < 64); Store and Remove are one probe per
+// block, no allocation for slots < 64 and one DRAM/NVMe holder per block. Pruning
+// recounts children then (O(entries)); RemoveSource, cleared events, full dumps and Dump
+// scan the whole index (O(entries)).
 //
 // Thread safety: none. A KvIndex is owned by one thread or guarded by its owner's mutex
 // (RouterCore's owner holds one). FindMatches mutates (it refreshes entry ages).
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -147,14 +151,23 @@ class KvIndex {
     SourceSlot slot;
     uint8_t tiers;  // bit (1 << Tier)
   };
+  static constexpr SourceSlot kNoSlot = ~SourceSlot{0};
+  // Out of line, rare: GPU holders in slots >= 64 and more than one DRAM/NVMe holder.
+  struct Spill {
+    absl::InlinedVector<GpuWord, 1> gpu;  // words >= 1, sorted by word, bits != 0
+    std::vector<PoolHolder> pool;         // holders after Entry::pool_slot
+  };
+  // 48 bytes (64 with the key): one cache line per block in the common case.
   struct Entry {
-    BlockHash parent;          // chain predecessor, zero for a chain start or a state key
-    uint64_t last_used = 0;    // tick_ of the last store or lookup
-    uint32_t num_children = 0; // entries created while this one existed, naming it parent
-    bool is_state = false;     // a LINEAR_STATE key (derived from the block hash)
-    absl::InlinedVector<GpuWord, 1> gpu;      // sorted by word
-    absl::InlinedVector<PoolHolder, 1> pool;  // few: pool nodes
-    bool empty() const { return gpu.empty() && pool.empty(); }
+    uint64_t gpu0 = 0;              // GPU holders in slots [0, 64)
+    BlockHash parent;               // chain predecessor, zero for a chain start or a state key
+    uint32_t age = 0;               // tick_ of the last store or lookup
+    SourceSlot pool_slot = kNoSlot; // first DRAM/NVMe holder
+    uint8_t pool_tiers = 0;         // its tiers, bit (1 << Tier)
+    uint8_t all_pool_tiers = 0;     // OR over every DRAM/NVMe holder
+    bool is_state = false;          // a LINEAR_STATE key (derived from the block hash)
+    std::unique_ptr<Spill> spill;
+    bool empty() const { return gpu0 == 0 && pool_slot == kNoSlot && spill == nullptr; }
   };
   struct SourceState {
     bool present = false;
@@ -162,7 +175,11 @@ class KvIndex {
     uint64_t last_sequence = 0;
     size_t entries = 0;
   };
-  using Map = absl::flat_hash_map<BlockHash, Entry, BlockHashHasher>;
+  // Block hashes are uniform already: one multiply keeps hand-made small hashes spread.
+  struct Hasher {
+    size_t operator()(const BlockHash& h) const { return static_cast<size_t>(h.lo * 0x9E3779B97F4A7C15ull); }
+  };
+  using Map = absl::flat_hash_map<BlockHash, Entry, Hasher>;
 
   static BlockHash StateKey(const BlockHash& h);
   SourceState& Source(SourceSlot slot);
@@ -170,14 +187,19 @@ class KvIndex {
   bool AddHolder(Entry& e, SourceSlot slot, Tier tier);
   bool RemoveHolder(Entry& e, SourceSlot slot, Tier tier);
   bool RemoveAllHolders(Entry& e, SourceSlot slot);
-  void EraseEntry(Map::iterator it);
+  static void FixPool(Entry& e);  // refills pool_slot from the spill, recomputes all_pool_tiers
+  static bool HasGpu(const Entry& e, SourceSlot slot);
+  // Calls f(slot) for each GPU holder, then each DRAM/NVMe holder (f(slot, tiers)).
+  template <typename G, typename P>
+  static void ForEachHolder(const Entry& e, G&& gpu, P&& pool);
+  uint32_t NextTick();
   void MaybePrune();
 
   Options options_;
   Map map_;
   std::vector<SourceState> sources_;  // by slot
   size_t entries_ = 0;
-  uint64_t tick_ = 0;
+  uint32_t tick_ = 0;  // ages: one tick per Store/Remove call and per lookup, renormalised at wrap
   uint64_t pruned_ = 0;
 };
 
