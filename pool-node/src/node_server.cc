@@ -4,7 +4,6 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include <atomic>
-#include <csignal>
 #include <iostream>
 #include <thread>
 
@@ -12,6 +11,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "kvpool/common/service_main.h"
 #include "kvpool/common/status.h"
 #include "kvpool/common/units.h"
 #include "kvpool/metrics/metrics.h"
@@ -186,29 +186,8 @@ void NodeServer::Wait() {
 
 void NodeServer::Shutdown() { s_->shut.store(true); }
 
-namespace {
-std::atomic<bool> g_signalled{false};
-void OnSignal(int) { g_signalled.store(true); }
-}  // namespace
-
 int NodeMain(int argc, char** argv) {
-  auto cfg = ParseNodeFlags(argc, argv);
-  if (!cfg.ok()) {
-    if (absl::IsCancelled(cfg.status())) return 0;
-    std::cerr << "kvpool-node: " << cfg.status().message() << "\n";
-    return 2;
-  }
-  auto server = NodeServer::Start(*std::move(cfg));
-  if (!server.ok()) {
-    std::cerr << "kvpool-node: " << server.status().message() << "\n";
-    return 1;
-  }
-  std::cout << (*server)->DescribeConfig() << std::flush;
-  std::signal(SIGINT, OnSignal);
-  std::signal(SIGTERM, OnSignal);
-  while (!g_signalled.load()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  std::cout << "kvpool-node: shutting down\n";
-  return 0;
+  return RunServiceMain("kvpool-node", ParseNodeFlags(argc, argv), &NodeServer::Start);
 }
 
 }  // namespace kvpool::pool_node

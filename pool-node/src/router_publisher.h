@@ -1,28 +1,21 @@
-// RouterPublisher: sends the node's stored/removed events to the router.
+// RouterPublisher: the pool node's adapter onto router::EventPublisher
+// (router/client/include/kvpool/router/event_publisher.h), which registers the node
+// (SOURCE_KIND_POOL_NODE), streams its stored/removed events with per-source sequence
+// numbers, sends heartbeats, and re-registers + re-dumps after a router restart.
 //
-//   PoolCore --OnStored/OnRemoved--> queue --publisher thread--> Router.PublishEvents
-//                                                 (client stream, per-source sequence)
-//
-// The thread registers the node (SOURCE_KIND_POOL_NODE), opens a PublishEvents stream
-// and first sends a full dump (every visible copy, from PoolCore::ForEachVisible), then
-// the queued events, each with the next sequence number. A failed write, a heartbeat
-// answering unknown_source, or one asking for a full dump makes it register (if needed)
-// and dump again. Without a router the node runs on; events queue only while a stream
-// is up (a dump replaces them on reconnect).
+//   PoolCore --OnStored/OnRemoved--> EventPublisher::Publish --thread--> Router
+//   full dump <- PoolCore::ForEachVisible (every visible copy)
 //
 // Thread safety: OnStored/OnRemoved are called by PoolCore with its mutex held; they only
-// take the queue mutex. The thread calls PoolCore only with no publisher lock held.
+// take the publisher's queue mutex. The dump calls PoolCore from the publisher thread
+// with no publisher lock held.
 #pragma once
 
-#include <deque>
 #include <memory>
 #include <string>
-#include <thread>
 
-#include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
 #include "kvpool/pool_node/pool_core.h"
-#include "kvpool/v1/router.grpc.pb.h"
+#include "kvpool/router/event_publisher.h"
 
 namespace kvpool::pool_node {
 
@@ -40,33 +33,9 @@ class RouterPublisher : public EventSink {
   uint64_t dumps_sent() const;
 
  private:
-  struct Pending {
-    bool stored;
-    ObjectKey key;
-    std::optional<BlockHash> parent;
-    Tier tier;
-  };
-  void Loop();
-  bool RegisterAndDump();
-  void FillEvent(const Pending& p, v1::KvEvent* e);
-
-  const std::string router_address_, source_id_, advertise_address_;
-  const uint64_t capacity_pages_;
+  router::EventPublisherOptions opts_;
   const PoolCore* core_ = nullptr;
-  std::unique_ptr<v1::Router::Stub> stub_;  // used by the thread only
-  std::unique_ptr<grpc::ClientContext> stream_ctx_;
-  v1::PublishEventsResponse stream_resp_;
-  std::unique_ptr<grpc::ClientWriter<v1::EventBatch>> stream_;
-  uint64_t next_sequence_ = 1;
-  uint32_t heartbeat_ms_ = 1000;
-
-  mutable absl::Mutex mu_;
-  std::deque<Pending> queue_ ABSL_GUARDED_BY(mu_);
-  bool streaming_ ABSL_GUARDED_BY(mu_) = false;  // queue only while a stream is up
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  uint64_t events_sent_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t dumps_sent_ ABSL_GUARDED_BY(mu_) = 0;
-  std::thread thread_;
+  std::unique_ptr<router::EventPublisher> pub_;
 };
 
 }  // namespace kvpool::pool_node

@@ -313,6 +313,16 @@ int ModelRunner::NumUnfinished() const {
   return static_cast<int>(waiting_.size() + running_.size());
 }
 
+int ModelRunner::NumWaiting() const { return static_cast<int>(waiting_.size()); }
+
+bool ModelRunner::Started(SequenceId id) const {
+  if (finished_.contains(id)) return true;
+  for (const auto& s : running_) {
+    if (s->id == id) return true;
+  }
+  return false;
+}
+
 absl::StatusOr<GenerateResult> ModelRunner::TakeResult(SequenceId id) {
   auto it = finished_.find(id);
   if (it == finished_.end()) {
@@ -384,42 +394,32 @@ absl::StatusOr<std::vector<std::byte>> ModelRunner::ExportCheckpoint(
   return out;
 }
 
-absl::StatusOr<ImportStats> ModelRunner::ImportPrefix(const PrefixImport& import) {
-  const size_t k = import.chain.size();
-  if (import.blocks.size() != k) {
+absl::StatusOr<ImportPlan> ModelRunner::BeginImport(std::span<const BlockHash> chain,
+                                                    std::span<const bool> have_bytes,
+                                                    std::span<const BlockHash> checkpoints) {
+  const size_t k = chain.size();
+  if (have_bytes.size() != k) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "blocks has ", import.blocks.size(), " entries but chain has ", k,
-        "; give one (possibly empty) byte span per chain hash"));
+        "have_bytes has ", have_bytes.size(), " entries but chain has ", k,
+        "; give one flag per chain hash"));
   }
-  if (k == 0) return ImportStats{};
+  if (!checkpoints.empty() && !spec_.IsHybrid()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "checkpoints given but model '", spec_.name, "' has no KDA layers"));
+  }
+  ImportPlan plan;
+  if (k == 0) return plan;
   const cache::BlockPool& pool = cache_->block_pool();
-  for (size_t i = 0; i < k; ++i) {
-    const size_t n = import.blocks[i].size();
-    if (n != 0 && n != static_cast<size_t>(arena_->page_bytes())) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "blocks[", i, "] has ", n, " bytes but a block of model '", spec_.name, "' has ",
-          arena_->page_bytes()));
-    }
-  }
-  for (size_t i = 0; i < import.checkpoints.size(); ++i) {
-    if (import.checkpoints[i].bytes.size() != static_cast<size_t>(arena_->state_bytes()) ||
-        !spec_.IsHybrid()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "checkpoints[", i, "] has ", import.checkpoints[i].bytes.size(),
-          " bytes but model '", spec_.name, "' has KDA states of ", arena_->state_bytes()));
-    }
-  }
-  // Blocks not given must be cached here now; snapshot their bytes, since allocating
-  // the import may take a free cached copy (a hybrid strict hit stops at the
-  // checkpoint, so later cached blocks get fresh copies).
+  // Blocks without bytes must be cached here now; snapshot them, since allocating the
+  // import may take a free cached copy (a hybrid strict hit stops at the checkpoint,
+  // so later cached blocks get fresh copies).
   std::vector<std::vector<std::byte>> local(k);
   for (size_t i = 0; i < k; ++i) {
-    if (!import.blocks[i].empty()) continue;
-    const cache::BlockId id = pool.GetCachedBlock(import.chain[i]);
+    if (have_bytes[i]) continue;
+    const cache::BlockId id = pool.GetCachedBlock(chain[i]);
     if (id == cache::kNoBlock) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "blocks[", i, "] is empty but block ", import.chain[i].ToHex(),
-          " is not cached here; give its bytes"));
+          "block ", i, " (", chain[i].ToHex(), ") is not cached here and has no bytes to import"));
     }
     const std::span<std::byte> page = arena_->Page(id);
     local[i].assign(page.begin(), page.end());
@@ -430,7 +430,7 @@ absl::StatusOr<ImportStats> ModelRunner::ImportPrefix(const PrefixImport& import
   rs.id = rid;
   // One token past the chain so the hit may cover every block.
   rs.num_prompt_tokens = static_cast<int64_t>(k) * b + 1;
-  rs.block_hashes = import.chain;
+  rs.block_hashes.assign(chain.begin(), chain.end());
   RETURN_IF_ERROR(cache_->AddRequest(std::move(rs)));
   absl::StatusOr<cache::PrefixHit> hit = cache_->GetComputedBlocks(rid);
   absl::StatusOr<cache::SlotAllocation> alloc =
@@ -440,35 +440,95 @@ absl::StatusOr<ImportStats> ModelRunner::ImportPrefix(const PrefixImport& import
     cache_->Free(rid).IgnoreError();
     return alloc.status();
   }
-  ImportStats stats;
-  stats.blocks_present = static_cast<int32_t>(hit->blocks.size());
+  plan.request = rid;
+  plan.stats.blocks_present = static_cast<int32_t>(hit->blocks.size());
   const std::span<const cache::BlockId> table = cache_->BlockTable(rid);
   for (size_t i = static_cast<size_t>(alloc->first_new_block); i < table.size(); ++i) {
-    const std::span<const std::byte> src =
-        import.blocks[i].empty() ? std::span<const std::byte>(local[i]) : import.blocks[i];
-    std::memcpy(arena_->PageAddress(table[i]), src.data(), src.size());
-    ++stats.blocks_imported;
+    plan.cached.push_back(chain[i]);
+    if (have_bytes[i]) {
+      plan.blocks.push_back({static_cast<int32_t>(i), table[i]});
+    } else {
+      std::memcpy(arena_->PageAddress(table[i]), local[i].data(), local[i].size());
+    }
+    ++plan.stats.blocks_imported;
   }
-  std::vector<BlockHash> unfilled;
   for (const cache::CheckpointSave& save : alloc->checkpoint_saves) {
-    const PrefixImport::Checkpoint* given = nullptr;
-    for (const auto& c : import.checkpoints) {
-      if (c.hash == save.hash) given = &c;
+    plan.cached_checkpoints.push_back(save.hash);
+    bool given = false;
+    for (const BlockHash& h : checkpoints) given = given || h == save.hash;
+    if (given) {
+      plan.checkpoints.push_back({save.hash, pool.RunPages(save.pages_head)});
+    } else {
+      plan.unfilled.push_back(save.hash);
     }
-    if (given == nullptr) {
-      unfilled.push_back(save.hash);
-      continue;
-    }
-    arena_->WriteState(pool.RunPages(save.pages_head), 0, given->bytes);
-    ++stats.checkpoints_imported;
   }
-  stats.checkpoints_skipped =
-      static_cast<int32_t>(import.checkpoints.size()) - stats.checkpoints_imported;
+  plan.stats.checkpoints_imported = static_cast<int32_t>(plan.checkpoints.size());
+  plan.stats.checkpoints_skipped =
+      static_cast<int32_t>(checkpoints.size()) - plan.stats.checkpoints_imported;
+  return plan;
+}
+
+absl::Status ModelRunner::FinishImport(ImportPlan& plan, bool filled) {
+  if (plan.request == 0) return absl::OkStatus();
+  const cache::RequestId rid = plan.request;
+  plan.request = 0;
   RETURN_IF_ERROR(cache_->Free(rid));
-  // Checkpoint runs the manager set aside without bytes to put in them must not be hits.
-  for (const BlockHash& h : unfilled) {
+  // Checkpoint runs the manager set aside without bytes to put in them must not be
+  // hits; on failure neither may anything the import cached.
+  for (const BlockHash& h : plan.unfilled) {
     RETURN_IF_ERROR(cache_->EvictCached(h, StateKind::kLinearState).status());
   }
+  if (!filled) {
+    for (const BlockHash& h : plan.cached_checkpoints) {
+      RETURN_IF_ERROR(cache_->EvictCached(h, StateKind::kLinearState).status());
+    }
+    for (const BlockHash& h : plan.cached) {
+      RETURN_IF_ERROR(cache_->EvictCached(h, StateKind::kAttnKv).status());
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ImportStats> ModelRunner::ImportPrefix(const PrefixImport& import) {
+  const size_t k = import.chain.size();
+  if (import.blocks.size() != k) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "blocks has ", import.blocks.size(), " entries but chain has ", k,
+        "; give one (possibly empty) byte span per chain hash"));
+  }
+  for (size_t i = 0; i < k; ++i) {
+    const size_t n = import.blocks[i].size();
+    if (n != 0 && n != static_cast<size_t>(arena_->page_bytes())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "blocks[", i, "] has ", n, " bytes but a block of model '", spec_.name, "' has ",
+          arena_->page_bytes()));
+    }
+  }
+  std::vector<BlockHash> ckpt_hashes;
+  for (size_t i = 0; i < import.checkpoints.size(); ++i) {
+    if (import.checkpoints[i].bytes.size() != static_cast<size_t>(arena_->state_bytes()) ||
+        !spec_.IsHybrid()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "checkpoints[", i, "] has ", import.checkpoints[i].bytes.size(),
+          " bytes but model '", spec_.name, "' has KDA states of ", arena_->state_bytes()));
+    }
+    ckpt_hashes.push_back(import.checkpoints[i].hash);
+  }
+  std::unique_ptr<bool[]> have(new bool[k]);
+  for (size_t i = 0; i < k; ++i) have[i] = !import.blocks[i].empty();
+  ASSIGN_OR_RETURN(ImportPlan plan,
+                   BeginImport(import.chain, std::span<const bool>(have.get(), k), ckpt_hashes));
+  for (const ImportPlan::BlockSlot& slot : plan.blocks) {
+    const std::span<const std::byte> src = import.blocks[static_cast<size_t>(slot.chain_index)];
+    std::memcpy(arena_->PageAddress(slot.page), src.data(), src.size());
+  }
+  for (const ImportPlan::CheckpointSlot& slot : plan.checkpoints) {
+    for (const auto& c : import.checkpoints) {
+      if (c.hash == slot.hash) arena_->WriteState(slot.pages, 0, c.bytes);
+    }
+  }
+  const ImportStats stats = plan.stats;
+  RETURN_IF_ERROR(FinishImport(plan, /*filled=*/true));
   return stats;
 }
 

@@ -119,6 +119,28 @@ struct ImportStats {
   int32_t checkpoints_skipped = 0;  // already cached, or outside the imported range
 };
 
+// An import whose bytes the caller lands in the arena itself (a transport Get straight
+// into the pages: no staging copy). BeginImport allocates and caches; the caller fills
+// `blocks[i].page` with the block bytes of chain[blocks[i].chain_index] and each
+// checkpoint run with its state bytes; FinishImport(filled) releases the pages to the
+// cache (filled) or evicts everything the import cached (the fetch failed).
+struct ImportPlan {
+  struct BlockSlot {
+    int32_t chain_index = 0;
+    int32_t page = 0;  // arena page to fill (page_bytes)
+  };
+  struct CheckpointSlot {
+    BlockHash hash;
+    std::vector<int32_t> pages;  // the state run, head first (state byte layout)
+  };
+  std::vector<BlockSlot> blocks;
+  std::vector<CheckpointSlot> checkpoints;
+  ImportStats stats;
+  // Internal: the import's cache request and what it cached.
+  uint64_t request = 0;
+  std::vector<BlockHash> cached, cached_checkpoints, unfilled;
+};
+
 class ModelRunner {
  public:
   // FAILED_PRECONDITION for a spec that is not computable (real-shape presets run in
@@ -138,6 +160,10 @@ class ModelRunner {
   absl::StatusOr<std::vector<SequenceId>> Step();
   // Sequences queued or running.
   int NumUnfinished() const;
+  int NumWaiting() const;  // queued, not admitted yet
+  // True once the sequence was admitted (its prompt computed, first token sampled) —
+  // running or finished; false while it waits or for an unknown id.
+  bool Started(SequenceId id) const;
   // The result of a finished sequence (and forgets it). NOT_FOUND for an unknown id,
   // FAILED_PRECONDITION while it runs.
   absl::StatusOr<GenerateResult> TakeResult(SequenceId id);
@@ -162,6 +188,14 @@ class ModelRunner {
   // right before AddSequence + Step). INVALID_ARGUMENT for sizes or a missing block;
   // RESOURCE_EXHAUSTED when the pages are not there (nothing changes then).
   absl::StatusOr<ImportStats> ImportPrefix(const PrefixImport& import);
+  // The in-place form of ImportPrefix: chain as there; have_bytes[i] says whether the
+  // caller will fill block i (false: it must be cached here now); checkpoints: hashes
+  // whose state bytes the caller will fill. Nothing else may run on the runner between
+  // BeginImport and FinishImport.
+  absl::StatusOr<ImportPlan> BeginImport(std::span<const BlockHash> chain,
+                                         std::span<const bool> have_bytes,
+                                         std::span<const BlockHash> checkpoints);
+  absl::Status FinishImport(ImportPlan& plan, bool filled);
 
   // --- introspection ---------------------------------------------------------------
   const ModelSpec& spec() const { return spec_; }

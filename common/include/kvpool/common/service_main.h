@@ -1,0 +1,45 @@
+// The main() shared by kvpool's service binaries (kvpool-node, kvpool-worker):
+//
+//   flags ──► Start ──► print DescribeConfig() ──► wait for SIGINT/SIGTERM ──► destroy
+//   exit 0 after --help (flag parsing answers CANCELLED), 2 for bad flags, 1 when the
+//   server cannot start (the message names the flag and the fix).
+//
+// Example:
+//   int NodeMain(int argc, char** argv) {
+//     return RunServiceMain("kvpool-node", ParseNodeFlags(argc, argv), &NodeServer::Start);
+//   }
+//
+// Thread safety: call once, from main.
+#pragma once
+
+#include <iostream>
+#include <memory>
+
+#include "absl/status/statusor.h"
+
+namespace kvpool {
+
+// Blocks until the process receives SIGINT or SIGTERM (installs the handlers).
+void WaitForTerminationSignal();
+
+template <typename Config, typename Server>
+int RunServiceMain(const char* program, absl::StatusOr<Config> config,
+                   absl::StatusOr<std::unique_ptr<Server>> (*start)(Config)) {
+  if (!config.ok()) {
+    if (absl::IsCancelled(config.status())) return 0;  // --help
+    std::cerr << program << ": " << config.status().message() << "\n";
+    return 2;
+  }
+  absl::StatusOr<std::unique_ptr<Server>> server = start(*std::move(config));
+  if (!server.ok()) {
+    std::cerr << program << ": " << server.status().message() << "\n";
+    return 1;
+  }
+  std::cout << (*server)->DescribeConfig() << std::flush;
+  WaitForTerminationSignal();
+  std::cout << program << ": shutting down\n" << std::flush;
+  server->reset();
+  return 0;
+}
+
+}  // namespace kvpool

@@ -1,0 +1,418 @@
+// kvpool-worker over real gRPC, real pool nodes (UCX, io_uring NVMe tier) and a real
+// router, all in this process on loopback. The invariant under test: a request's output
+// tokens and hidden digest are bit-identical whether its prefix came from the local
+// cache, a pool node's DRAM or NVMe, or full recompute — for GQA, MLA and hybrid models.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "kvpool/pool_node/node_server.h"
+#include "kvpool/router/router_client.h"
+#include "kvpool/router/router_server.h"
+#include "kvpool/v1/pool.grpc.pb.h"
+#include "kvpool/v1/worker.grpc.pb.h"
+#include "kvpool/worker/service/worker_server.h"
+
+namespace kvpool::worker {
+namespace {
+
+using Tokens = std::vector<uint32_t>;
+
+struct Answer {
+  Tokens output;
+  std::string digest;
+  v1::GenerateResponse resp;
+};
+
+class Client {
+ public:
+  explicit Client(int port)
+      : stub_(v1::Worker::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", port),
+                                                      grpc::InsecureChannelCredentials()))) {}
+  absl::StatusOr<Answer> Generate(const Tokens& prompt, uint32_t new_tokens, const std::string& salt = "") {
+    v1::GenerateRequest req;
+    for (uint32_t t : prompt) req.add_tokens(t);
+    req.set_max_new_tokens(new_tokens);
+    req.set_tenant_salt(salt);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+    v1::GenerateResponse resp;
+    grpc::Status s = stub_->Generate(&ctx, req, &resp);
+    if (!s.ok()) return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+    return Answer{Tokens(resp.output_tokens().begin(), resp.output_tokens().end()), resp.hidden_digest(), resp};
+  }
+  grpc::Status Raw(const v1::GenerateRequest& req) {
+    grpc::ClientContext ctx;
+    v1::GenerateResponse resp;
+    return stub_->Generate(&ctx, req, &resp);
+  }
+  v1::WorkerStats Stats() {
+    grpc::ClientContext ctx;
+    v1::WorkerStats st;
+    EXPECT_TRUE(stub_->GetStats(&ctx, v1::GetWorkerStatsRequest(), &st).ok());
+    return st;
+  }
+
+ private:
+  std::unique_ptr<v1::Worker::Stub> stub_;
+};
+
+Tokens RandomTokens(std::mt19937& rng, size_t n, uint32_t vocab) {
+  Tokens t(n);
+  for (auto& x : t) x = rng() % vocab;
+  return t;
+}
+
+Tokens Concat(const Tokens& a, const Tokens& b) {
+  Tokens out = a;
+  out.insert(out.end(), b.begin(), b.end());
+  return out;
+}
+
+class Cluster {
+ public:
+  explicit Cluster(const std::string& name) {
+    dir_ = std::filesystem::temp_directory_path() / absl::StrCat("kvpool-worker-test-", name, "-", getpid());
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+  }
+  ~Cluster() {
+    workers_.clear();
+    nodes_.clear();
+    router_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+
+  void StartRouter(const std::string& model) {
+    router::RouterServerOptions o;
+    o.listen = "127.0.0.1:0";
+    o.metrics_port = -1;
+    o.host.core.models = {model};
+    auto r = router::RouterServer::Start(o);
+    ASSERT_TRUE(r.ok()) << r.status();
+    router_ = *std::move(r);
+  }
+  std::string router_address() const { return router_ ? absl::StrCat("127.0.0.1:", router_->port()) : ""; }
+
+  // DRAM small enough that objects demote to the NVMe tier.
+  std::string StartNode(const std::string& id, uint64_t dram_bytes, uint64_t nvme_bytes) {
+    pool_node::NodeConfig c;
+    c.listen = "127.0.0.1:0";
+    c.metrics_port = -1;
+    c.router = router_address();
+    c.pool.node_id = id;
+    c.pool.dram_bytes = dram_bytes;
+    c.pool.page_bytes = 65536;
+    if (nvme_bytes > 0) {
+      c.pool.nvme_dir = (dir_ / id).string();
+      std::filesystem::create_directories(c.pool.nvme_dir);
+      c.pool.nvme_bytes = nvme_bytes;
+    }
+    auto n = pool_node::NodeServer::Start(c);
+    EXPECT_TRUE(n.ok()) << n.status();
+    if (!n.ok()) return "";
+    std::string addr = absl::StrCat("127.0.0.1:", (*n)->port());
+    nodes_.push_back(*std::move(n));
+    return addr;
+  }
+  void KillNode(size_t i) { nodes_[i].reset(); }
+
+  int StartWorker(WorkerConfig c) {
+    c.listen = "127.0.0.1:0";
+    if (c.router.empty()) c.router = router_address();
+    auto w = WorkerServer::Start(c);
+    EXPECT_TRUE(w.ok()) << w.status();
+    if (!w.ok()) return 0;
+    const int port = (*w)->port();
+    workers_.push_back(*std::move(w));
+    return port;
+  }
+  router::RouterServer* router() { return router_.get(); }
+
+ private:
+  std::filesystem::path dir_;
+  std::unique_ptr<router::RouterServer> router_;
+  std::vector<std::unique_ptr<pool_node::NodeServer>> nodes_;
+  std::vector<std::unique_ptr<WorkerServer>> workers_;
+};
+
+struct ModelCase {
+  std::string model;
+  int block_tokens;
+  uint32_t vocab;
+};
+
+void PrintTo(const ModelCase& mc, std::ostream* os) { *os << mc.model; }
+
+class InvariantTest : public ::testing::TestWithParam<ModelCase> {};
+
+// Ten prompts over five shared prefixes, through: a recompute-only worker (the oracle);
+// worker A (GPU hits, write-through offload); worker B with a tiny GPU cache, which
+// gets the prefixes from the pool (DRAM, then NVMe after demotion). Every answer must
+// equal the oracle's, bit for bit.
+TEST_P(InvariantTest, OutputsEqualRecomputeWhateverTheTier) {
+  const ModelCase mc = GetParam();
+  Cluster cl(mc.model);
+  const std::string a = cl.StartNode("pool-a", 4 << 20, 64 << 20);
+  const std::string b = cl.StartNode("pool-b", 4 << 20, 64 << 20);
+  ASSERT_FALSE(a.empty());
+  ASSERT_FALSE(b.empty());
+
+  WorkerConfig oracle_cfg;
+  oracle_cfg.model = mc.model;
+  oracle_cfg.prefix_caching = false;
+  oracle_cfg.instance_id = "oracle";
+  Client oracle(cl.StartWorker(oracle_cfg));
+
+  WorkerConfig wa;
+  wa.model = mc.model;
+  wa.instance_id = "worker-a";
+  wa.pool_nodes = {a, b};
+  wa.num_blocks = 256;
+  Client worker_a(cl.StartWorker(wa));
+
+  WorkerConfig wb = wa;
+  wb.instance_id = "worker-b";
+  wb.num_blocks = 24;  // one request's worth: everything else comes from the pool
+  wb.fetch = "always";
+  Client worker_b(cl.StartWorker(wb));
+
+  std::mt19937 rng(7);
+  const size_t prefix_len = static_cast<size_t>(mc.block_tokens) * 3;
+  std::vector<Tokens> prompts;
+  for (int p = 0; p < 5; ++p) {
+    const Tokens prefix = RandomTokens(rng, prefix_len, mc.vocab);
+    for (int s = 0; s < 2; ++s) prompts.push_back(Concat(prefix, RandomTokens(rng, 5 + s, mc.vocab)));
+  }
+  std::vector<Answer> want;
+  for (const Tokens& p : prompts) {
+    auto r = oracle.Generate(p, 3);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->resp.gpu_hit_tokens() + r->resp.pool_hit_tokens(), 0u);
+    want.push_back(*r);
+  }
+  // Worker A: the second prompt of each prefix hits its GPU cache.
+  uint64_t gpu_hits = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    auto r = worker_a.Generate(prompts[i], 3);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->output, want[i].output) << "prompt " << i;
+    EXPECT_EQ(r->digest, want[i].digest) << "prompt " << i;
+    gpu_hits += r->resp.gpu_hit_tokens();
+  }
+  EXPECT_GT(gpu_hits, 0u);
+  EXPECT_GT(worker_a.Stats().bytes_moved_by_tier().at("offloaded"), 0u);
+  // Worker B never saw these prompts: their prefixes come from the pool.
+  uint64_t pool_hits = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    auto r = worker_b.Generate(prompts[i], 3);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->output, want[i].output) << "prompt " << i;
+    EXPECT_EQ(r->digest, want[i].digest) << "prompt " << i;
+    pool_hits += r->resp.pool_hit_tokens();
+  }
+  EXPECT_GT(pool_hits, 0u);
+  const v1::WorkerStats sb = worker_b.Stats();
+  EXPECT_GT(sb.bytes_moved_by_tier().at("fetched_dram") + sb.bytes_moved_by_tier().at("fetched_nvme"), 0u);
+  EXPECT_EQ(sb.prefix_hits_pool_tokens(), pool_hits);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, InvariantTest,
+                         ::testing::Values(ModelCase{"tiny-gqa", 16, 512}, ModelCase{"tiny-mla", 64, 512},
+                                           ModelCase{"tiny-hybrid", 64, 512}),
+                         [](const auto& info) {
+                           std::string n = info.param.model;
+                           for (char& c : n) c = c == '-' ? '_' : c;
+                           return n;
+                         });
+
+
+// Prompts from `n` distinct prefixes of `blocks` blocks each (plus a short suffix).
+std::vector<Tokens> PrefixFamily(std::mt19937& rng, int n, int blocks, int block_tokens, uint32_t vocab) {
+  std::vector<Tokens> out;
+  for (int i = 0; i < n; ++i) {
+    out.push_back(Concat(RandomTokens(rng, static_cast<size_t>(blocks * block_tokens), vocab), RandomTokens(rng, 3, vocab)));
+  }
+  return out;
+}
+
+std::vector<Answer> Oracle(Cluster& cl, const std::string& model, const std::vector<Tokens>& prompts) {
+  WorkerConfig c;
+  c.model = model;
+  c.prefix_caching = false;
+  c.instance_id = "oracle";
+  Client oracle(cl.StartWorker(c));
+  std::vector<Answer> want;
+  for (const Tokens& p : prompts) {
+    auto r = oracle.Generate(p, 2);
+    EXPECT_TRUE(r.ok()) << r.status();
+    want.push_back(r.ok() ? *r : Answer{});
+  }
+  return want;
+}
+
+// Pool DRAM of 16 pages per node: most offloaded blocks are demoted to the NVMe tier
+// (io_uring, O_DIRECT) and come back from there, promoted by the Lookup.
+TEST(WorkerService, PrefixesComeBackFromNvme) {
+  Cluster cl("nvme");
+  const std::string a = cl.StartNode("pool-a", 1 << 20, 64 << 20);
+  const std::string b = cl.StartNode("pool-b", 1 << 20, 64 << 20);
+  std::mt19937 rng(11);
+  const std::vector<Tokens> prompts = PrefixFamily(rng, 16, 4, 16, 512);
+  const std::vector<Answer> want = Oracle(cl, "tiny-gqa", prompts);
+  WorkerConfig wa;
+  wa.instance_id = "worker-a";
+  wa.pool_nodes = {a, b};
+  Client worker_a(cl.StartWorker(wa));
+  for (const Tokens& p : prompts) ASSERT_TRUE(worker_a.Generate(p, 2).ok());
+  WorkerConfig wb = wa;
+  wb.instance_id = "worker-b";
+  wb.num_blocks = 16;
+  wb.fetch = "always";
+  Client worker_b(cl.StartWorker(wb));
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    auto r = worker_b.Generate(prompts[i], 2);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->output, want[i].output) << "prompt " << i;
+    EXPECT_EQ(r->digest, want[i].digest) << "prompt " << i;
+  }
+  const v1::WorkerStats sb = worker_b.Stats();
+  EXPECT_GT(sb.bytes_moved_by_tier().at("fetched_nvme"), 0u);
+  EXPECT_GT(sb.prefix_hits_pool_tokens(), 0u);
+}
+
+// Write-back: blocks reach the pool only when worker A evicts them; worker B then
+// fetches them. A pool node killed midway: its blocks are recomputed, answers unchanged.
+TEST(WorkerService, WriteBackThenNodeLoss) {
+  Cluster cl("wb");
+  const std::string a = cl.StartNode("pool-a", 8 << 20, 0);
+  const std::string b = cl.StartNode("pool-b", 8 << 20, 0);
+  std::mt19937 rng(5);
+  const std::vector<Tokens> prompts = PrefixFamily(rng, 8, 4, 16, 512);
+  const std::vector<Answer> want = Oracle(cl, "tiny-gqa", prompts);
+  WorkerConfig wa;
+  wa.instance_id = "worker-a";
+  wa.pool_nodes = {a, b};
+  wa.offload = "write-back";
+  wa.num_blocks = 12;  // two prompts' worth: the rest is evicted, hence written back
+  wa.pool_rpc_timeout_ms = 500;
+  Client worker_a(cl.StartWorker(wa));
+  for (const Tokens& p : prompts) ASSERT_TRUE(worker_a.Generate(p, 2).ok());
+  EXPECT_GT(worker_a.Stats().bytes_moved_by_tier().at("offloaded"), 0u);
+  WorkerConfig wb = wa;
+  wb.instance_id = "worker-b";
+  wb.fetch = "always";
+  Client worker_b(cl.StartWorker(wb));
+  uint64_t pool_hits = 0;
+  for (size_t i = 0; i < 4; ++i) {
+    auto r = worker_b.Generate(prompts[i], 2);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->digest, want[i].digest) << "prompt " << i;
+    pool_hits += r->resp.pool_hit_tokens();
+  }
+  EXPECT_GT(pool_hits, 0u);
+  cl.KillNode(0);
+  for (size_t i = 4; i < prompts.size(); ++i) {
+    auto r = worker_b.Generate(prompts[i], 2);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->output, want[i].output) << "prompt " << i;
+    EXPECT_EQ(r->digest, want[i].digest) << "prompt " << i;
+  }
+}
+
+TEST(WorkerService, BadRequestsNameTheField) {
+  Cluster cl("bad");
+  WorkerConfig c;
+  c.max_model_len = 256;
+  Client w(cl.StartWorker(c));
+  v1::GenerateRequest req;
+  grpc::Status s = w.Raw(req);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("tokens"), std::string::npos) << s.error_message();
+  req.add_tokens(1);
+  req.add_tokens(512);
+  s = w.Raw(req);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("tokens[1]=512"), std::string::npos) << s.error_message();
+  req.set_tokens(1, 2);
+  req.set_max_new_tokens(5000);
+  s = w.Raw(req);
+  EXPECT_NE(s.error_message().find("max_new_tokens"), std::string::npos) << s.error_message();
+  req.set_max_new_tokens(255);
+  s = w.Raw(req);
+  EXPECT_NE(s.error_message().find("--max-model-len"), std::string::npos) << s.error_message();
+  req.set_max_new_tokens(2);
+  req.set_tenant_salt(std::string(300, 'x'));
+  s = w.Raw(req);
+  EXPECT_NE(s.error_message().find("tenant_salt"), std::string::npos) << s.error_message();
+  // The worker still serves.
+  req.clear_tenant_salt();
+  EXPECT_TRUE(w.Raw(req).ok());
+  WorkerConfig unknown;
+  unknown.listen = "127.0.0.1:0";
+  unknown.model = "no-such-model";
+  EXPECT_FALSE(WorkerServer::Start(unknown).ok());
+  WorkerConfig bad;
+  bad.listen = "127.0.0.1:0";
+  bad.offload = "sometimes";
+  auto st = WorkerServer::Start(bad);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.status().message().find("--offload"), absl::string_view::npos);
+}
+
+// Real-shape presets run in accounting mode: hits and cost-model times, no tokens.
+TEST(WorkerService, AccountingModeForRealPresets) {
+  Cluster cl("acct");
+  WorkerConfig c;
+  c.model = "llama-3.3-70b";
+  c.num_blocks = 4096;
+  c.max_model_len = 65536;
+  Client w(cl.StartWorker(c));
+  std::mt19937 rng(3);
+  const Tokens prompt = RandomTokens(rng, 8192, 128000);
+  auto first = w.Generate(prompt, 4);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->resp.recomputed_tokens(), 8192u);
+  EXPECT_GT(first->resp.ttft().recompute_s(), 0);
+  auto second = w.Generate(prompt, 4);
+  ASSERT_TRUE(second.ok());
+  EXPECT_EQ(second->resp.gpu_hit_tokens(), 8192u - 16u);  // the last block holds the last token
+  EXPECT_LT(second->resp.ttft().recompute_s(), first->resp.ttft().recompute_s());
+  EXPECT_TRUE(second->output.empty());
+}
+
+// The worker registers with the router, publishes what it caches, and the router
+// sends a request with the same prefix back to it.
+TEST(WorkerService, RouterSeesTheWorkersCache) {
+  Cluster cl("router");
+  cl.StartRouter("tiny-gqa");
+  WorkerConfig c;
+  c.instance_id = "worker-r";
+  Client w(cl.StartWorker(c));
+  std::mt19937 rng(9);
+  const Tokens prompt = RandomTokens(rng, 100, 512);
+  ASSERT_TRUE(w.Generate(prompt, 2).ok());
+  auto rc = router::RouterClient::Connect(cl.router_address());
+  ASSERT_TRUE(rc.ok());
+  // Events flow asynchronously: poll (bounded) until the index has the blocks.
+  v1::RouteResponse route;
+  for (int i = 0; i < 100; ++i) {
+    v1::RouteRequest req;
+    req.mutable_model()->set_name("tiny-gqa");
+    for (uint32_t t : prompt) req.add_tokens(t);
+    auto r = (*rc)->Route(req);
+    ASSERT_TRUE(r.ok()) << r.status();
+    route = *r;
+    if (route.gpu_hit_blocks() > 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(route.instance_id(), "worker-r");
+  EXPECT_EQ(route.gpu_hit_blocks(), 6u);  // 100 tokens: 6 full blocks of 16
+}
+
+}  // namespace
+}  // namespace kvpool::worker

@@ -1,0 +1,657 @@
+#include "engine.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "kvpool/common/cost_model.h"
+#include "kvpool/common/status.h"
+#include "kvpool/common/units.h"
+#include "pool_tier.h"
+#include "spdlog/spdlog.h"
+
+namespace kvpool::worker {
+namespace {
+
+int KindIndex(StateKind k) { return k == StateKind::kLinearState ? 1 : 0; }
+v1::StateKind ToProto(StateKind k) {
+  return k == StateKind::kLinearState ? v1::STATE_KIND_LINEAR_STATE : v1::STATE_KIND_ATTN_KV;
+}
+double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
+// Exponentially weighted moving average; the first sample replaces the prior.
+void Ewma(double& avg, double sample, bool* seeded = nullptr) {
+  if (seeded != nullptr && !*seeded) {
+    avg = sample;
+    *seeded = true;
+    return;
+  }
+  avg = avg == 0 ? sample : 0.8 * avg + 0.2 * sample;
+}
+
+}  // namespace
+
+absl::StatusOr<OffloadMode> ParseOffloadMode(absl::string_view s) {
+  if (s == "off") return OffloadMode::kOff;
+  if (s == "write-through") return OffloadMode::kWriteThrough;
+  if (s == "write-back") return OffloadMode::kWriteBack;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--offload=", s, " is not a mode; use write-through, write-back or off"));
+}
+absl::StatusOr<FetchMode> ParseFetchMode(absl::string_view s) {
+  if (s == "auto") return FetchMode::kAuto;
+  if (s == "always") return FetchMode::kAlways;
+  if (s == "never") return FetchMode::kNever;
+  return absl::InvalidArgumentError(absl::StrCat("--fetch=", s, " is not a mode; use auto, always or never"));
+}
+absl::string_view OffloadModeName(OffloadMode m) {
+  switch (m) {
+    case OffloadMode::kOff: return "off";
+    case OffloadMode::kWriteThrough: return "write-through";
+    case OffloadMode::kWriteBack: return "write-back";
+  }
+  return "?";
+}
+absl::string_view FetchModeName(FetchMode m) {
+  switch (m) {
+    case FetchMode::kAuto: return "auto";
+    case FetchMode::kAlways: return "always";
+    case FetchMode::kNever: return "never";
+  }
+  return "?";
+}
+
+Engine::Engine(EngineConfig config, MetricsRegistry* metrics) : cfg_(std::move(config)), metrics_(metrics) {
+  MetricsRegistry& m = *metrics_;
+  m_queries_ = &m.GetCounter("kvpool_worker_prefix_cache_queries_total", "Prompt tokens looked up in the prefix caches");
+  m_hits_gpu_ = &m.GetCounter("kvpool_worker_prefix_cache_hits_total", "Prompt tokens reused, by tier", {{"tier", "gpu"}});
+  m_hits_pool_ = &m.GetCounter("kvpool_worker_prefix_cache_hits_total", "Prompt tokens reused, by tier", {{"tier", "pool"}});
+  m_fetched_ = &m.GetCounter("kvpool_worker_prompt_tokens_total", "Prompt tokens by how their KV was obtained", {{"source", "fetched"}});
+  m_recomputed_ = &m.GetCounter("kvpool_worker_prompt_tokens_total", "Prompt tokens by how their KV was obtained", {{"source", "recomputed"}});
+  m_bytes_in_dram_ = &m.GetCounter("kvpool_worker_bytes_moved_total", "KV bytes moved to or from pool nodes", {{"direction", "fetch"}, {"tier", "dram"}});
+  m_bytes_in_nvme_ = &m.GetCounter("kvpool_worker_bytes_moved_total", "KV bytes moved to or from pool nodes", {{"direction", "fetch"}, {"tier", "nvme"}});
+  m_bytes_out_ = &m.GetCounter("kvpool_worker_bytes_moved_total", "KV bytes moved to or from pool nodes", {{"direction", "offload"}, {"tier", "pool"}});
+  m_ok_ = &m.GetCounter("kvpool_worker_requests_total", "Finished requests", {{"status", "ok"}});
+  m_failed_ = &m.GetCounter("kvpool_worker_requests_total", "Finished requests", {{"status", "error"}});
+  m_usage_ = &m.GetGauge("kvpool_worker_kv_cache_usage_perc", "Fraction of KV blocks in use, [0, 1]");
+  m_running_ = &m.GetGauge("kvpool_worker_num_requests_running", "Requests prefilling or decoding");
+  m_waiting_ = &m.GetGauge("kvpool_worker_num_requests_waiting", "Requests queued");
+  m_ttft_ = &m.GetHistogram("kvpool_worker_time_to_first_token_seconds", "TTFT", Histogram::ExponentialBounds(0.001, 2, 16));
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(EngineConfig config, MetricsRegistry* metrics) {
+  RETURN_IF_ERROR(config.spec.Validate());
+  if (config.runner.num_blocks < 2) {
+    return absl::InvalidArgumentError(absl::StrCat("--num-blocks=", config.runner.num_blocks,
+                                                   " leaves no usable block; give at least 2"));
+  }
+  config.runner.event_sink = nullptr;  // set below, once `this` exists
+  config.runner.source_id = config.instance_id;
+  std::unique_ptr<Engine> e(new Engine(std::move(config), metrics));
+  model::RunnerOptions ro = e->cfg_.runner;
+  ro.event_sink = e.get();
+  if (e->cfg_.spec.computable) {
+    ASSIGN_OR_RETURN(e->runner_, model::ModelRunner::Create(e->cfg_.spec, ro));
+    e->block_pool_ = &e->runner_->cache().block_pool();
+    if (!e->cfg_.pool_nodes.empty()) {
+      const model::KvArena& arena = e->runner_->arena();
+      ASSIGN_OR_RETURN(e->pool_, PoolTier::Create(
+                                     PoolTierOptions{e->cfg_.pool_nodes, e->cfg_.instance_id,
+                                                     e->cfg_.pool_rpc_timeout_ms, absl::Seconds(2)},
+                                     std::span<std::byte>(arena.base(), static_cast<size_t>(arena.size_bytes())),
+                                     static_cast<uint64_t>(arena.page_bytes())));
+    }
+  } else {
+    // Accounting mode: the cache manager alone (no payload), times from the cost model.
+    if (!e->cfg_.pool_nodes.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "model '", e->cfg_.spec.name, "' runs in accounting mode (no KV bytes exist), so --pool-nodes "
+          "cannot be used; drop --pool-nodes or use a tiny-* model"));
+    }
+    ASSIGN_OR_RETURN(cache::CacheLayout layout, cache::CacheLayout::FromModelSpec(e->cfg_.spec));
+    cache::CacheConfig cc;
+    cc.num_blocks = ro.num_blocks;
+    cc.layout = layout;
+    cc.enable_prefix_caching = ro.enable_prefix_caching;
+    cc.hybrid_mode = ro.hybrid_mode;
+    cc.hash_options = HashOptions{.cluster_secret = ro.cluster_secret,
+                                  .model_id = e->cfg_.spec.name,
+                                  .block_tokens = static_cast<uint32_t>(e->cfg_.spec.block_tokens)};
+    cc.source_id = e->cfg_.instance_id;
+    cc.event_sink = e.get();
+    ASSIGN_OR_RETURN(e->accounting_, cache::KvCacheManager::Create(cc));
+    e->block_pool_ = &e->accounting_->block_pool();
+  }
+  {
+    absl::MutexLock l(&e->mu_);
+    e->stats_.set_instance_id(e->cfg_.instance_id);
+    e->stats_.set_model(e->cfg_.spec.name);
+    e->stats_.set_block_tokens(static_cast<uint32_t>(e->cfg_.spec.block_tokens));
+    e->stats_.set_num_gpu_blocks(static_cast<uint64_t>(e->cfg_.runner.num_blocks));
+    for (const char* k : {"fetched_dram", "fetched_nvme", "offloaded"}) (*e->stats_.mutable_bytes_moved_by_tier())[k] = 0;
+  }
+  return e;
+}
+
+Engine::~Engine() { Stop(); }
+
+void Engine::Start() {
+  absl::MutexLock l(&mu_);
+  if (started_) return;
+  started_ = true;
+  thread_ = std::thread([this] { Loop(); });
+}
+
+void Engine::Stop() {
+  {
+    absl::MutexLock l(&mu_);
+    stop_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+absl::Status Engine::Submit(EngineRequest request, EngineDone done) {
+  auto p = std::make_unique<Pending>();
+  p->req = std::move(request);
+  p->done = std::move(done);
+  p->arrived = absl::Now();
+  absl::MutexLock l(&mu_);
+  if (stop_ || !started_) return absl::UnavailableError("the worker is shutting down; send the request elsewhere");
+  queue_.push_back(std::move(p));
+  return absl::OkStatus();
+}
+
+void Engine::Loop() {
+  for (;;) {
+    std::deque<std::unique_ptr<Pending>> incoming;
+    {
+      absl::MutexLock l(&mu_);
+      const bool busy = !running_.empty();
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !queue_.empty(); };
+      if (!busy) mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(100));
+      if (stop_) break;
+      incoming.swap(queue_);
+    }
+    for (auto& p : incoming) Admit(std::move(p));
+    if (runner_ != nullptr && runner_->NumUnfinished() > 0) StepOnce();
+    if (cfg_.offload == OffloadMode::kWriteThrough) OffloadWriteThrough();
+    if (cfg_.offload == OffloadMode::kWriteBack) ResolvePages();
+    UpdateLoad();
+  }
+  FailAll(absl::UnavailableError("the worker is shutting down"));
+}
+
+void Engine::FailAll(const absl::Status& why) {
+  std::deque<std::unique_ptr<Pending>> q;
+  {
+    absl::MutexLock l(&mu_);
+    q.swap(queue_);
+  }
+  for (auto& p : q) p->done(why);
+  for (auto& [id, p] : running_) {
+    if (runner_ != nullptr) runner_->Abort(id).IgnoreError();
+    p->done(why);
+  }
+  running_.clear();
+  m_failed_->Increment(static_cast<double>(q.size()));
+}
+
+void Engine::Admit(std::unique_ptr<Pending> p) {
+  p->admitted = absl::Now();
+  if (runner_ == nullptr) {
+    AdmitAccounting(*p);
+    return;
+  }
+  const int64_t b = cfg_.spec.block_tokens;
+  const int64_t n = static_cast<int64_t>(p->req.tokens.size());
+  m_queries_->Increment(static_cast<double>(n));
+  // The last prompt token is always computed (its logits give the first output token),
+  // so at most (n - 1) / b blocks can be hits.
+  const int64_t usable = (n - 1) / b;
+  if (cfg_.runner.enable_prefix_caching && pool_ != nullptr && usable > 0 && cfg_.fetch != FetchMode::kNever) {
+    const absl::Time t0 = absl::Now();
+    const std::vector<BlockHash> chain = runner_->HashPrompt(p->req.tokens, p->req.tenant_salt);
+    int64_t local = 0;
+    while (local < usable && block_pool_->GetCachedBlock(chain[static_cast<size_t>(local)]) != cache::kNoBlock) ++local;
+    const absl::Time t1 = absl::Now();
+    p->local_hit_s = Seconds(t1 - t0);
+    if (local < usable) {
+      p->pool_tokens = FetchFromPool(chain, local, usable);
+      p->pool_fetch_s = Seconds(absl::Now() - t1);
+    }
+  }
+  model::GenerateRequest g;
+  g.prompt_tokens = p->req.tokens;
+  g.max_new_tokens = p->req.max_new_tokens;
+  g.tenant_salt = p->req.tenant_salt;
+  absl::StatusOr<model::SequenceId> id = runner_->AddSequence(std::move(g));
+  if (!id.ok()) {
+    m_failed_->Increment();
+    p->done(id.status());
+    return;
+  }
+  running_[*id] = std::move(p);
+}
+
+int64_t Engine::FetchFromPool(const std::vector<BlockHash>& chain, int64_t local, int64_t usable) {
+  const int64_t b = cfg_.spec.block_tokens;
+  const std::span<const BlockHash> rest(chain.data() + local, static_cast<size_t>(usable - local));
+  const absl::Time t0 = absl::Now();
+  PoolLookup blocks = pool_->Lookup(rest, StateKind::kAttnKv);
+  int64_t run = 0;
+  while (run < static_cast<int64_t>(rest.size()) && blocks.found[static_cast<size_t>(run)]) ++run;
+  // Hybrids: the KDA state at the end of the fetched run comes from the nearest
+  // checkpoint at or before it (pool or local); replay covers the gap, strict mode
+  // stops the hit at the checkpoint, so only blocks up to it are worth fetching.
+  PoolLookup ckpts;
+  std::vector<BlockHash> ckpt_hashes;
+  int64_t ckpt_index = -1;  // index into ckpts.found of the checkpoint to fetch
+  if (cfg_.spec.IsHybrid() && run > 0) {
+    const int64_t every = cfg_.spec.checkpoint_tokens / b;  // blocks per checkpoint
+    for (int64_t blk = every; blk <= local + run; blk += every) {
+      if (blk > local) ckpt_hashes.push_back(chain[static_cast<size_t>(blk - 1)]);
+    }
+    if (!ckpt_hashes.empty()) {
+      ckpts = pool_->Lookup(ckpt_hashes, StateKind::kLinearState);
+      for (int64_t i = static_cast<int64_t>(ckpt_hashes.size()) - 1; i >= 0; --i) {
+        if (ckpts.found[static_cast<size_t>(i)]) {
+          ckpt_index = i;
+          break;
+        }
+      }
+    }
+    if (cfg_.runner.hybrid_mode == cache::HybridHitMode::kStrict) {
+      const int64_t end = ckpt_index >= 0 ? (local / every + 1 + ckpt_index) * every : local;
+      run = std::max<int64_t>(0, std::min(run, end - local));
+    }
+  }
+  const double lookup_s = Seconds(absl::Now() - t0);
+  int64_t fetched_tokens = 0;
+  if (run > 0) {
+    const double bytes = static_cast<double>(run) * static_cast<double>(cfg_.spec.BlockBytes());
+    bool fetch = cfg_.fetch == FetchMode::kAlways;
+    if (cfg_.fetch == FetchMode::kAuto) {
+      // Measured rates; before the first measurement, fetch (it is how they get measured).
+      const double fetch_s = fetch_bytes_per_s_ > 0 ? fetch_overhead_s_ + bytes / fetch_bytes_per_s_ : 0;
+      const double recompute_s = recompute_tokens_per_s_ > 0 ? static_cast<double>(run * b) / recompute_tokens_per_s_ : 1e9;
+      fetch = fetch_s < recompute_s;
+    }
+    if (fetch) {
+      std::vector<bool> have(static_cast<size_t>(local + run), false);
+      for (int64_t i = local; i < local + run; ++i) have[static_cast<size_t>(i)] = true;
+      std::unique_ptr<bool[]> have_arr(new bool[have.size()]);
+      for (size_t i = 0; i < have.size(); ++i) have_arr[i] = have[i];
+      std::vector<BlockHash> want_ckpt;
+      if (ckpt_index >= 0) want_ckpt.push_back(ckpt_hashes[static_cast<size_t>(ckpt_index)]);
+      importing_ = true;
+      absl::StatusOr<model::ImportPlan> plan = runner_->BeginImport(
+          std::span<const BlockHash>(chain.data(), have.size()), std::span<const bool>(have_arr.get(), have.size()),
+          want_ckpt);
+      importing_ = false;
+      if (plan.ok()) {
+        const absl::Time g0 = absl::Now();
+        std::vector<size_t> which;
+        std::vector<std::vector<uint64_t>> dst;
+        for (const model::ImportPlan::BlockSlot& s : plan->blocks) {
+          which.push_back(static_cast<size_t>(s.chain_index - local));
+          dst.push_back({static_cast<uint64_t>(s.page)});
+        }
+        absl::Status got = pool_->Get(blocks, which, dst);
+        if (got.ok() && !plan->checkpoints.empty()) {
+          std::vector<size_t> cw{static_cast<size_t>(ckpt_index)};
+          std::vector<std::vector<uint64_t>> cd(1);
+          for (int32_t page : plan->checkpoints.front().pages) cd[0].push_back(static_cast<uint64_t>(page));
+          got = pool_->Get(ckpts, cw, cd);
+        }
+        importing_ = true;
+        absl::Status fin = runner_->FinishImport(*plan, got.ok());
+        importing_ = false;
+        if (!fin.ok()) spdlog::error("FinishImport: {}", std::string(fin.message()));
+        if (got.ok()) {
+          const double get_s = std::max(1e-6, Seconds(absl::Now() - g0));
+          uint64_t dram = 0, nvme = 0;
+          for (size_t k : which) {
+            (blocks.found[k]->object.found_in == pool_node::Tier::kNvme ? nvme : dram) += blocks.found[k]->object.length;
+          }
+          if (!plan->checkpoints.empty()) {
+            const auto& o = ckpts.found[static_cast<size_t>(ckpt_index)]->object;
+            (o.found_in == pool_node::Tier::kNvme ? nvme : dram) += o.length;
+          }
+          Ewma(fetch_bytes_per_s_, static_cast<double>(dram + nvme) / get_s);
+          Ewma(fetch_overhead_s_, lookup_s);
+          fetched_tokens = static_cast<int64_t>(plan->blocks.size()) * b;
+          m_bytes_in_dram_->Increment(static_cast<double>(dram));
+          m_bytes_in_nvme_->Increment(static_cast<double>(nvme));
+          absl::MutexLock l(&mu_);
+          (*stats_.mutable_bytes_moved_by_tier())["fetched_dram"] += dram;
+          (*stats_.mutable_bytes_moved_by_tier())["fetched_nvme"] += nvme;
+        } else {
+          spdlog::warn("pool fetch of {} blocks failed ({}); recomputing them", which.size(), std::string(got.message()));
+        }
+      } else if (!absl::IsResourceExhausted(plan.status())) {
+        spdlog::warn("import of {} pool blocks refused: {}", run, std::string(plan.status().message()));
+      }
+    }
+  }
+  pool_->Release(blocks);
+  pool_->Release(ckpts);
+  return fetched_tokens;
+}
+
+void Engine::StepOnce() {
+  const absl::Time t0 = absl::Now();
+  absl::StatusOr<std::vector<model::SequenceId>> finished = runner_->Step();
+  const absl::Time t1 = absl::Now();
+  if (!finished.ok()) {
+    spdlog::error("engine step failed: {}; failing every request", std::string(finished.status().message()));
+    FailAll(finished.status());
+    return;
+  }
+  for (auto& [id, p] : running_) {
+    if (p->started || !runner_->Started(id)) continue;
+    p->started = true;
+    p->step_start = t0;
+    p->first_token = t1;
+    p->recompute_s = Seconds(t1 - t0);
+  }
+  for (model::SequenceId id : *finished) {
+    auto it = running_.find(id);
+    if (it == running_.end()) continue;
+    std::unique_ptr<Pending> p = std::move(it->second);
+    running_.erase(it);
+    Respond(*p, runner_->TakeResult(id));
+  }
+}
+
+void Engine::Respond(Pending& p, absl::StatusOr<model::GenerateResult> r) {
+  if (!r.ok()) {
+    m_failed_->Increment();
+    p.done(r.status());
+    return;
+  }
+  v1::GenerateResponse out;
+  out.set_request_id(p.req.request_id);
+  for (TokenId t : r->output_tokens) out.add_output_tokens(t);
+  out.set_hidden_digest(r->hidden_digest.ToBytes());
+  const int64_t pool_tokens = std::min<int64_t>(p.pool_tokens, r->hit_tokens);
+  const int64_t gpu_tokens = r->hit_tokens - pool_tokens;
+  out.set_prompt_tokens(static_cast<uint32_t>(r->prompt_tokens));
+  out.set_gpu_hit_tokens(static_cast<uint32_t>(gpu_tokens));
+  out.set_pool_hit_tokens(static_cast<uint32_t>(pool_tokens));
+  out.set_recomputed_tokens(static_cast<uint32_t>(r->recomputed_tokens));
+  v1::TtftBreakdown* t = out.mutable_ttft();
+  const double total = Seconds(p.first_token - p.arrived);
+  t->set_local_hit_s(p.local_hit_s);
+  t->set_pool_fetch_s(p.pool_fetch_s);
+  t->set_recompute_s(p.recompute_s);
+  t->set_queue_s(std::max(0.0, total - p.local_hit_s - p.pool_fetch_s - p.recompute_s));
+  t->set_total_s(total);
+  m_ttft_->Observe(total);
+  m_ok_->Increment();
+  m_hits_gpu_->Increment(static_cast<double>(gpu_tokens));
+  m_hits_pool_->Increment(static_cast<double>(pool_tokens));
+  m_fetched_->Increment(static_cast<double>(pool_tokens));
+  m_recomputed_->Increment(static_cast<double>(r->recomputed_tokens));
+  if (r->recomputed_tokens > 0 && p.recompute_s > 0) {
+    Ewma(recompute_tokens_per_s_, static_cast<double>(r->recomputed_tokens + r->replayed_tokens) / p.recompute_s);
+  }
+  if (publisher_ != nullptr) publisher_->CompleteDecision(p.req.decision_id);
+  {
+    absl::MutexLock l(&mu_);
+    stats_.set_prefix_queries_tokens(stats_.prefix_queries_tokens() + static_cast<uint64_t>(r->prompt_tokens));
+    stats_.set_prefix_hits_gpu_tokens(stats_.prefix_hits_gpu_tokens() + static_cast<uint64_t>(gpu_tokens));
+    stats_.set_prefix_hits_pool_tokens(stats_.prefix_hits_pool_tokens() + static_cast<uint64_t>(pool_tokens));
+    stats_.set_tokens_fetched(stats_.tokens_fetched() + static_cast<uint64_t>(pool_tokens));
+    stats_.set_tokens_recomputed(stats_.tokens_recomputed() + static_cast<uint64_t>(r->recomputed_tokens));
+  }
+  p.done(std::move(out));
+}
+
+void Engine::AdmitAccounting(Pending& p) {
+  const int64_t n = static_cast<int64_t>(p.req.tokens.size());
+  const cache::RequestId id = next_accounting_id_++;
+  cache::RequestSpec rs;
+  rs.id = id;
+  rs.prompt_tokens = p.req.tokens;
+  rs.tenant_salt = p.req.tenant_salt;
+  absl::Status s = accounting_->AddRequest(std::move(rs));
+  absl::StatusOr<cache::PrefixHit> hit = s.ok() ? accounting_->GetComputedBlocks(id) : absl::StatusOr<cache::PrefixHit>(s);
+  absl::StatusOr<cache::SlotAllocation> alloc =
+      hit.ok() ? accounting_->AllocateSlots(id, n - hit->num_tokens, &*hit) : absl::StatusOr<cache::SlotAllocation>(hit.status());
+  if (s.ok()) accounting_->Free(id).IgnoreError();
+  if (!alloc.ok()) {
+    m_failed_->Increment();
+    p.done(alloc.status());
+    return;
+  }
+  const CostModel cost;
+  const int64_t recompute = n - hit->num_tokens;
+  v1::GenerateResponse out;
+  out.set_request_id(p.req.request_id);
+  out.set_prompt_tokens(static_cast<uint32_t>(n));
+  out.set_gpu_hit_tokens(static_cast<uint32_t>(hit->num_tokens));
+  out.set_recomputed_tokens(static_cast<uint32_t>(recompute));
+  v1::TtftBreakdown* t = out.mutable_ttft();
+  t->set_recompute_s(cost.PrefillSeconds(cfg_.spec, static_cast<double>(recompute)));
+  t->set_queue_s(Seconds(p.admitted - p.arrived));
+  t->set_total_s(t->queue_s() + t->recompute_s());
+  m_ok_->Increment();
+  m_queries_->Increment(static_cast<double>(n));
+  m_hits_gpu_->Increment(static_cast<double>(hit->num_tokens));
+  m_recomputed_->Increment(static_cast<double>(recompute));
+  {
+    absl::MutexLock l(&mu_);
+    stats_.set_prefix_queries_tokens(stats_.prefix_queries_tokens() + static_cast<uint64_t>(n));
+    stats_.set_prefix_hits_gpu_tokens(stats_.prefix_hits_gpu_tokens() + static_cast<uint64_t>(hit->num_tokens));
+    stats_.set_tokens_recomputed(stats_.tokens_recomputed() + static_cast<uint64_t>(recompute));
+  }
+  if (publisher_ != nullptr) publisher_->CompleteDecision(p.req.decision_id);
+  p.done(std::move(out));
+}
+
+void Engine::OffloadWriteThrough() {
+  if (pool_ == nullptr || offload_queue_.empty()) return;
+  std::vector<PoolPut> items;
+  for (const ToOffload& o : offload_queue_) {
+    PoolPut put{o.hash, o.parent, o.kind, {}, 0};
+    if (o.kind == StateKind::kAttnKv) {
+      const cache::BlockId id = block_pool_->GetCachedBlock(o.hash);
+      if (id == cache::kNoBlock) continue;  // evicted again already
+      put.local_pages = {static_cast<uint64_t>(id)};
+      put.length = static_cast<uint64_t>(runner_->arena().page_bytes());
+    } else {
+      const cache::BlockId head = block_pool_->GetCachedCheckpoint(o.hash);
+      if (head == cache::kNoBlock) continue;
+      for (cache::BlockId pg : block_pool_->RunPages(head)) put.local_pages.push_back(static_cast<uint64_t>(pg));
+      put.length = static_cast<uint64_t>(runner_->arena().state_bytes());
+    }
+    items.push_back(std::move(put));
+  }
+  offload_queue_.clear();
+  const uint64_t written = pool_->Put(items);
+  m_bytes_out_->Increment(static_cast<double>(written));
+  absl::MutexLock l(&mu_);
+  (*stats_.mutable_bytes_moved_by_tier())["offloaded"] += written;
+}
+
+void Engine::ResolvePages() {
+  for (const ToOffload& o : unresolved_) {
+    std::vector<uint64_t> pages;
+    if (o.kind == StateKind::kAttnKv) {
+      const cache::BlockId id = block_pool_->GetCachedBlock(o.hash);
+      if (id != cache::kNoBlock) pages.push_back(static_cast<uint64_t>(id));
+    } else {
+      const cache::BlockId head = block_pool_->GetCachedCheckpoint(o.hash);
+      if (head != cache::kNoBlock) {
+        for (cache::BlockId pg : block_pool_->RunPages(head)) pages.push_back(static_cast<uint64_t>(pg));
+      }
+    }
+    if (pages.empty()) continue;
+    pages_of_[KindIndex(o.kind)][o.hash] = std::move(pages);
+    parent_of_[o.hash] = o.parent;
+  }
+  unresolved_.clear();
+}
+
+void Engine::Publish(absl::string_view /*source_id*/, const cache::KvEvent& event) {
+  // 1. The router: one v1 event per cache event.
+  v1::KvEvent e;
+  switch (event.type) {
+    case cache::KvEvent::Type::kStored: {
+      v1::BlockStored* s = e.mutable_stored();
+      if (event.parent) s->set_parent_hash(event.parent->ToBytes());
+      for (const BlockHash& h : event.hashes) s->add_block_hashes(h.ToBytes());
+      s->set_kind(ToProto(event.kind));
+      s->set_tier(v1::TIER_GPU);
+      break;
+    }
+    case cache::KvEvent::Type::kRemoved: {
+      v1::BlockRemoved* r = e.mutable_removed();
+      for (const BlockHash& h : event.hashes) r->add_block_hashes(h.ToBytes());
+      r->set_kind(ToProto(event.kind));
+      r->set_tier(v1::TIER_GPU);
+      break;
+    }
+    case cache::KvEvent::Type::kCleared:
+      e.mutable_cleared();
+      break;
+  }
+  {
+    absl::MutexLock l(&mu_);
+    const int k = KindIndex(event.kind);
+    if (event.type == cache::KvEvent::Type::kStored) {
+      std::optional<BlockHash> parent = event.parent;
+      for (const BlockHash& h : event.hashes) {
+        mirror_[k][h] = MirrorEntry{parent};
+        if (event.kind == StateKind::kAttnKv) parent = h;
+      }
+    } else if (event.type == cache::KvEvent::Type::kRemoved) {
+      for (const BlockHash& h : event.hashes) mirror_[k].erase(h);
+    } else {
+      mirror_[0].clear();
+      mirror_[1].clear();
+    }
+  }
+  if (publisher_ != nullptr) publisher_->Publish(std::move(e));
+
+  // 2. Offload bookkeeping.
+  if (pool_ == nullptr || cfg_.offload == OffloadMode::kOff) return;
+  if (event.type == cache::KvEvent::Type::kStored) {
+    if (importing_) return;  // came from the pool
+    std::optional<BlockHash> parent = event.parent;
+    for (const BlockHash& h : event.hashes) {
+      ToOffload o{h, event.kind == StateKind::kAttnKv ? parent : std::nullopt, event.kind};
+      (cfg_.offload == OffloadMode::kWriteThrough ? offload_queue_ : unresolved_).push_back(o);
+      if (event.kind == StateKind::kAttnKv) parent = h;
+    }
+    return;
+  }
+  if (cfg_.offload != OffloadMode::kWriteBack) return;
+  if (event.type == cache::KvEvent::Type::kCleared) {
+    pages_of_[0].clear();
+    pages_of_[1].clear();
+    parent_of_.clear();
+    return;
+  }
+  // Write-back: the last copy of these hashes is being dropped; their pages still hold
+  // the bytes (a reused page is only written after this call returns), so put now.
+  const int k = KindIndex(event.kind);
+  std::vector<PoolPut> items;
+  for (const BlockHash& h : event.hashes) {
+    auto it = pages_of_[k].find(h);
+    if (it == pages_of_[k].end()) continue;  // cached and evicted within one step
+    PoolPut put{h, event.kind == StateKind::kAttnKv ? parent_of_[h] : std::nullopt, event.kind, it->second,
+                static_cast<uint64_t>(event.kind == StateKind::kAttnKv ? runner_->arena().page_bytes()
+                                                                      : runner_->arena().state_bytes())};
+    items.push_back(std::move(put));
+    pages_of_[k].erase(it);
+    if (event.kind == StateKind::kAttnKv) parent_of_.erase(h);
+  }
+  if (items.empty()) return;
+  const uint64_t written = pool_->Put(items);
+  m_bytes_out_->Increment(static_cast<double>(written));
+  absl::MutexLock l(&mu_);
+  (*stats_.mutable_bytes_moved_by_tier())["offloaded"] += written;
+}
+
+std::vector<v1::KvEvent> Engine::DumpEvents() const {
+  std::vector<v1::KvEvent> out;
+  absl::MutexLock l(&mu_);
+  for (int k = 0; k < 2; ++k) {
+    for (const auto& [h, m] : mirror_[k]) {
+      v1::KvEvent e;
+      v1::BlockStored* s = e.mutable_stored();
+      if (m.parent) s->set_parent_hash(m.parent->ToBytes());
+      s->add_block_hashes(h.ToBytes());
+      s->set_kind(k == 1 ? v1::STATE_KIND_LINEAR_STATE : v1::STATE_KIND_ATTN_KV);
+      s->set_tier(v1::TIER_GPU);
+      out.push_back(std::move(e));
+    }
+  }
+  return out;
+}
+
+void Engine::UpdateLoad() {
+  const cache::CacheUsage u = runner_ ? runner_->cache().Usage() : accounting_->Usage();
+  const int waiting_runner = runner_ ? runner_->NumWaiting() : 0;
+  uint64_t queued_tokens = 0;
+  for (const auto& [id, p] : running_) {
+    if (!p->started) queued_tokens += p->req.tokens.size();
+  }
+  const double usage = u.total_blocks > 0 ? static_cast<double>(u.used_blocks) / u.total_blocks : 0;
+  m_usage_->Set(usage);
+  absl::MutexLock l(&mu_);
+  for (const auto& p : queue_) queued_tokens += p->req.tokens.size();
+  load_.set_running_requests(static_cast<uint32_t>(running_.size()) - static_cast<uint32_t>(waiting_runner));
+  load_.set_waiting_requests(static_cast<uint32_t>(waiting_runner + static_cast<int>(queue_.size())));
+  load_.set_queued_prefill_tokens(queued_tokens);
+  load_.set_kv_usage(usage);
+  stats_.set_kv_usage(usage);
+  m_running_->Set(load_.running_requests());
+  m_waiting_->Set(load_.waiting_requests());
+}
+
+v1::WorkerStats Engine::Stats() const {
+  absl::MutexLock l(&mu_);
+  v1::WorkerStats s = stats_;
+  *s.mutable_load() = load_;
+  return s;
+}
+
+v1::Load Engine::Load() const {
+  absl::MutexLock l(&mu_);
+  return load_;
+}
+
+std::string Engine::Describe() {
+  const ModelSpec& s = cfg_.spec;
+  std::string out;
+  const int64_t usable = cfg_.runner.num_blocks - 1;
+  absl::StrAppend(&out, "  model          ", s.name, runner_ ? " (computed on the CPU kernels, seeded weights)"
+                                                          : " (accounting mode: cost-model times, no math)", "\n");
+  absl::StrAppend(&out, "  layers         ", s.NumLayers(), " (gqa ", s.NumLayers(AttentionKind::kGqa), ", mla ",
+                  s.NumLayers(AttentionKind::kMla), ", kda ", s.NumLayers(AttentionKind::kKda), ")\n");
+  absl::StrAppend(&out, "  block size     ", s.block_tokens, " tokens\n");
+  absl::StrAppend(&out, "  KV blocks      ", usable, " usable (+1 null) x ", FormatBytes(static_cast<double>(s.BlockBytes())),
+                  " = ", FormatBytes(static_cast<double>(usable * s.BlockBytes())), " GPU tier (",
+                  runner_ ? "host memory on this CPU worker" : "metadata only", "), max ", usable * s.block_tokens,
+                  " tokens\n");
+  absl::StrAppend(&out, "  bytes/token    ", s.KvBytesPerToken(), " (", FormatBytes(static_cast<double>(s.KvBytesPerToken())), ")\n");
+  if (s.IsHybrid()) {
+    absl::StrAppend(&out, "  KDA state      ", FormatBytes(static_cast<double>(s.FixedStateBytes())),
+                    " per sequence; checkpoint every ", s.checkpoint_tokens, " tokens; hit mode ",
+                    cache::HybridHitModeName(cfg_.runner.hybrid_mode), "\n");
+  } else {
+    absl::StrAppend(&out, "  KDA state      none (no checkpoints)\n");
+  }
+  absl::StrAppend(&out, "  prefix cache   ", cfg_.runner.enable_prefix_caching ? "on" : "off", "; max running ",
+                  cfg_.runner.max_running, ", max model len ", cfg_.runner.max_model_len, "\n");
+  if (pool_) {
+    absl::StrAppend(&out, "  pool nodes     ", pool_->num_nodes(), " (offload ", OffloadModeName(cfg_.offload), ", fetch ",
+                    FetchModeName(cfg_.fetch), ", rendezvous placement)\n", pool_->Describe());
+  } else {
+    absl::StrAppend(&out, "  pool nodes     none\n");
+  }
+  return out;
+}
+
+}  // namespace kvpool::worker

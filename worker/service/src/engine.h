@@ -1,0 +1,182 @@
+// Engine: the worker's serving loop. One engine thread owns the model runner (or, for
+// real-shape presets, a metadata-only cache manager: accounting mode), the pool tier
+// and all cache state; gRPC handlers only Submit requests and wait for their callback.
+//
+//   Submit ─► queue ─► engine thread:
+//     admit     local prefix (cache manager) ─► pool Lookup of the rest ─► fetch or
+//               recompute (cost model, measured rates) ─► BeginImport / Get into the
+//               arena pages / FinishImport ─► runner.AddSequence
+//     step      runner.Step(): admissions + one decode token for every running sequence
+//     respond   finished sequences: tokens, digest, TTFT breakdown
+//     offload   write-through: blocks and KDA checkpoints cached by the step go to their
+//               pool node; write-back: evicted blocks go there from the eviction event,
+//               before their page is reused
+//   cache events ─► router publisher (stored / removed, tier GPU) + the dump mirror
+//
+// Thread safety: Submit, Stats, Load, DumpEvents are thread-safe; everything else runs
+// on the engine thread.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kvpool/common/model_spec.h"
+#include "kvpool/metrics/metrics.h"
+#include "kvpool/router/event_publisher.h"
+#include "kvpool/v1/worker.pb.h"
+#include "kvpool/worker/cache/kv_cache_manager.h"
+#include "kvpool/worker/model/model_runner.h"
+
+namespace kvpool::worker {
+
+class PoolTier;
+
+enum class OffloadMode : uint8_t { kOff, kWriteThrough, kWriteBack };
+enum class FetchMode : uint8_t { kAuto, kAlways, kNever };
+absl::StatusOr<OffloadMode> ParseOffloadMode(absl::string_view s);
+absl::StatusOr<FetchMode> ParseFetchMode(absl::string_view s);
+absl::string_view OffloadModeName(OffloadMode m);
+absl::string_view FetchModeName(FetchMode m);
+
+struct EngineConfig {
+  ModelSpec spec;
+  model::RunnerOptions runner;  // num_blocks, max_model_len, max_running, caching, threads
+  std::string instance_id = "worker";
+  std::vector<std::string> pool_nodes;  // empty: no pool tier
+  OffloadMode offload = OffloadMode::kWriteThrough;
+  FetchMode fetch = FetchMode::kAuto;
+  int pool_rpc_timeout_ms = 2000;
+};
+
+struct EngineRequest {
+  std::string request_id;
+  std::vector<TokenId> tokens;
+  int32_t max_new_tokens = 16;  // >= 1
+  std::string tenant_salt;
+  uint64_t decision_id = 0;
+};
+
+using EngineDone = std::function<void(absl::StatusOr<v1::GenerateResponse>)>;
+
+class Engine : public cache::KvEventSink {
+ public:
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(EngineConfig config, MetricsRegistry* metrics);
+  ~Engine() override;
+
+  void Start();
+  // Fails every queued and running request with UNAVAILABLE and joins the thread.
+  void Stop();
+  // Queues a request; `done` runs on the engine thread when it finishes or fails.
+  // INVALID_ARGUMENT (naming the field) or UNAVAILABLE (stopped) come back directly.
+  absl::Status Submit(EngineRequest request, EngineDone done);
+
+  v1::WorkerStats Stats() const;
+  v1::Load Load() const;
+  // Every object the worker caches, as `stored` events (the router's full dump).
+  std::vector<v1::KvEvent> DumpEvents() const;
+  // Not owned; set before Start. Null: no router.
+  void SetPublisher(router::EventPublisher* publisher) { publisher_ = publisher; }
+  std::string Describe();
+
+  const ModelSpec& spec() const { return cfg_.spec; }
+  bool accounting() const { return runner_ == nullptr; }
+  int64_t num_blocks() const { return cfg_.runner.num_blocks; }
+
+  // cache::KvEventSink: called inside cache manager calls on the engine thread.
+  void Publish(absl::string_view source_id, const cache::KvEvent& event) override;
+
+ private:
+  struct Pending {
+    EngineRequest req;
+    EngineDone done;
+    absl::Time arrived;
+    absl::Time admitted;      // left the engine queue
+    absl::Time step_start;    // the step that computed its prompt
+    absl::Time first_token;
+    double local_hit_s = 0;
+    double pool_fetch_s = 0;
+    double recompute_s = 0;
+    int64_t pool_tokens = 0;  // prompt tokens fetched from pool nodes
+    bool started = false;
+  };
+  struct MirrorEntry {
+    std::optional<BlockHash> parent;
+  };
+
+  explicit Engine(EngineConfig config, MetricsRegistry* metrics);
+  void Loop();
+  void Admit(std::unique_ptr<Pending> p);
+  void AdmitAccounting(Pending& p);
+  // Looks the prompt's blocks beyond the local hit up in the pool and lands the ones
+  // worth fetching in the arena. Returns prompt tokens fetched.
+  int64_t FetchFromPool(const std::vector<BlockHash>& chain, int64_t local_blocks, int64_t usable_blocks);
+  void StepOnce();
+  void Respond(Pending& p, absl::StatusOr<model::GenerateResult> r);
+  void OffloadWriteThrough();
+  void ResolvePages();  // write-back: page of every newly cached object
+  void UpdateLoad();
+  void FailAll(const absl::Status& why);
+
+  const EngineConfig cfg_;
+  MetricsRegistry* metrics_;
+  std::unique_ptr<model::ModelRunner> runner_;         // computable specs
+  std::unique_ptr<cache::KvCacheManager> accounting_;  // real-shape specs
+  std::unique_ptr<PoolTier> pool_;
+  router::EventPublisher* publisher_ = nullptr;
+  const cache::BlockPool* block_pool_ = nullptr;
+
+  // Engine thread only.
+  absl::flat_hash_map<model::SequenceId, std::unique_ptr<Pending>> running_;
+  struct ToOffload {
+    BlockHash hash;
+    std::optional<BlockHash> parent;
+    StateKind kind;
+  };
+  std::vector<ToOffload> offload_queue_;  // write-through: cached since the last offload
+  std::vector<ToOffload> unresolved_;     // write-back: pages not looked up yet
+  absl::flat_hash_map<BlockHash, std::vector<uint64_t>> pages_of_[2];  // write-back, by kind
+  absl::flat_hash_map<BlockHash, std::optional<BlockHash>> parent_of_;  // write-back
+  bool importing_ = false;  // events of an import are pool copies: not offloaded again
+  double recompute_tokens_per_s_ = 0;  // EWMA of measured prefill throughput
+  double fetch_bytes_per_s_ = 0;       // EWMA of measured pool Get throughput
+  double fetch_overhead_s_ = 0.002;    // EWMA of Lookup + Get fixed cost
+  uint64_t next_accounting_id_ = 1;
+
+  mutable absl::Mutex mu_;
+  std::deque<std::unique_ptr<Pending>> queue_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool started_ ABSL_GUARDED_BY(mu_) = false;
+  v1::WorkerStats stats_ ABSL_GUARDED_BY(mu_);
+  v1::Load load_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<BlockHash, MirrorEntry> mirror_[2] ABSL_GUARDED_BY(mu_);  // by kind
+  std::thread thread_;
+
+  // Metrics (lock-free).
+  Counter* m_queries_;
+  Counter* m_hits_gpu_;
+  Counter* m_hits_pool_;
+  Counter* m_fetched_;
+  Counter* m_recomputed_;
+  Counter* m_bytes_in_dram_;
+  Counter* m_bytes_in_nvme_;
+  Counter* m_bytes_out_;
+  Counter* m_ok_;
+  Counter* m_failed_;
+  Gauge* m_usage_;
+  Gauge* m_running_;
+  Gauge* m_waiting_;
+  Histogram* m_ttft_;
+};
+
+}  // namespace kvpool::worker

@@ -1,0 +1,195 @@
+#include "pool_tier.h"
+
+#include "absl/strings/str_cat.h"
+#include "kvpool/common/status.h"
+#include "kvpool/common/units.h"
+#include "kvpool/transport/transport.h"
+#include "kvpool/v1/pool.pb.h"
+#include "spdlog/spdlog.h"
+
+namespace kvpool::worker {
+
+absl::StatusOr<std::unique_ptr<PoolTier>> PoolTier::Create(PoolTierOptions options,
+                                                           std::span<std::byte> arena_memory,
+                                                           uint64_t page_bytes) {
+  if (options.node_addresses.empty()) {
+    return absl::InvalidArgumentError("--pool-nodes is empty; give host:port[,host:port...]");
+  }
+  std::unique_ptr<PoolTier> t(new PoolTier());
+  t->opts_ = std::move(options);
+  t->ring_ = RendezvousRing(t->opts_.node_addresses);
+  ASSIGN_OR_RETURN(t->ucx_, transport::Context::Create());
+  ASSIGN_OR_RETURN(t->worker_, transport::Worker::Create(t->ucx_));
+  ASSIGN_OR_RETURN(t->arena_, t->worker_->RegisterArena(arena_memory, page_bytes));
+  for (const std::string& a : t->opts_.node_addresses) t->nodes_.push_back(Node{a, nullptr, absl::InfinitePast(), ""});
+  for (size_t i = 0; i < t->nodes_.size(); ++i) t->Client(i);  // connect what answers now
+  return t;
+}
+
+PoolTier::~PoolTier() {
+  for (Node& n : nodes_) n.client.reset();  // before the worker and the arena
+}
+
+pool_node::PoolClient* PoolTier::Client(size_t node) {
+  Node& n = nodes_[node];
+  if (n.client) return n.client.get();
+  if (absl::Now() < n.down_until) return nullptr;
+  pool_node::PoolClientOptions o;
+  o.node_address = n.address;
+  o.client_id = opts_.client_id;
+  o.worker = worker_.get();
+  o.local_arena = arena_;
+  o.rpc_timeout_ms = opts_.rpc_timeout_ms;
+  absl::StatusOr<std::unique_ptr<pool_node::PoolClient>> c = pool_node::PoolClient::Connect(o);
+  if (!c.ok()) {
+    MarkDown(node, c.status());
+    return nullptr;
+  }
+  spdlog::info("pool node {} connected: {} ({} pages of {})", n.address, (*c)->node_id(), (*c)->node_pages(),
+               FormatBytes((*c)->node_page_bytes()));
+  n.client = *std::move(c);
+  n.last_error.clear();
+  return n.client.get();
+}
+
+void PoolTier::MarkDown(size_t node, const absl::Status& why) {
+  Node& n = nodes_[node];
+  ++rpc_failures_;
+  if (n.client || n.last_error.empty()) {
+    spdlog::warn("pool node {} unavailable ({}); its blocks are recomputed, retry in {}", n.address,
+                 std::string(why.message()), absl::FormatDuration(opts_.retry_after));
+  }
+  n.client.reset();
+  n.last_error = std::string(why.message());
+  n.down_until = absl::Now() + opts_.retry_after;
+}
+
+size_t PoolTier::live_nodes() const {
+  size_t live = 0;
+  for (const Node& n : nodes_) live += n.client != nullptr;
+  return live;
+}
+
+PoolLookup PoolTier::Lookup(std::span<const BlockHash> hashes, StateKind kind) {
+  PoolLookup out;
+  out.found.resize(hashes.size());
+  std::vector<std::vector<size_t>> by_node(nodes_.size());
+  for (size_t i = 0; i < hashes.size(); ++i) by_node[ring_.Owner(hashes[i])].push_back(i);
+  for (size_t node = 0; node < nodes_.size(); ++node) {
+    if (by_node[node].empty()) continue;
+    pool_node::PoolClient* c = Client(node);
+    if (c == nullptr) continue;
+    std::vector<BlockHash> mine;
+    for (size_t i : by_node[node]) mine.push_back(hashes[i]);
+    absl::StatusOr<pool_node::PoolLease> lease = c->Lookup(mine, kind, 0, /*allow_gaps=*/true);
+    if (!lease.ok()) {
+      MarkDown(node, lease.status());
+      continue;
+    }
+    // Objects come back in chain order; match them to our indices by hash.
+    size_t j = 0;
+    for (const pool_node::RemoteObject& obj : lease->objects) {
+      while (j < mine.size() && !(mine[j] == obj.key.hash)) ++j;
+      if (j == mine.size()) break;
+      out.found[by_node[node][j]] = PoolFound{node, obj};
+      ++j;
+    }
+    if (lease->lease_id != 0) out.leases.push_back(*std::move(lease));
+  }
+  return out;
+}
+
+absl::Status PoolTier::Get(const PoolLookup& lookup, std::span<const size_t> which,
+                           std::span<const std::vector<uint64_t>> dst) {
+  for (size_t node = 0; node < nodes_.size(); ++node) {
+    pool_node::PoolLease part;
+    std::vector<std::vector<uint64_t>> part_dst;
+    for (size_t k = 0; k < which.size(); ++k) {
+      const std::optional<PoolFound>& f = lookup.found[which[k]];
+      if (!f || f->node != node) continue;
+      part.objects.push_back(f->object);
+      part_dst.push_back(dst[k]);
+    }
+    if (part.objects.empty()) continue;
+    for (const pool_node::PoolLease& l : lookup.leases) {
+      for (const pool_node::RemoteObject& o : l.objects) {
+        if (o.key == part.objects.front().key && o.pages == part.objects.front().pages) {
+          part.lease_id = l.lease_id;
+          part.expires_unix_ms = l.expires_unix_ms;
+        }
+      }
+    }
+    part.prefix_blocks = static_cast<uint32_t>(part.objects.size());
+    pool_node::PoolClient* c = nodes_[node].client.get();
+    if (c == nullptr) return absl::UnavailableError(absl::StrCat("pool node ", nodes_[node].address, " went away"));
+    absl::Status s = c->Get(part, part_dst);
+    if (!s.ok()) {
+      if (absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s)) MarkDown(node, s);
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+void PoolTier::Release(PoolLookup& lookup) {
+  for (const pool_node::PoolLease& l : lookup.leases) {
+    for (size_t node = 0; node < nodes_.size(); ++node) {
+      if (l.objects.empty() || nodes_[node].client == nullptr) continue;
+      bool mine = false;
+      for (const auto& f : lookup.found) mine = mine || (f && f->node == node && f->object.key == l.objects.front().key);
+      if (mine) nodes_[node].client->Release(l.lease_id).IgnoreError();  // leases also expire
+    }
+  }
+  lookup.leases.clear();
+}
+
+uint64_t PoolTier::Put(std::span<const PoolPut> items) {
+  std::vector<std::vector<pool_node::PutItem>> by_node(nodes_.size());
+  for (const PoolPut& p : items) {
+    by_node[ring_.Owner(p.hash)].push_back(
+        pool_node::PutItem{p.hash, p.parent, p.kind, p.local_pages, p.length});
+  }
+  uint64_t written = 0;
+  for (size_t node = 0; node < nodes_.size(); ++node) {
+    if (by_node[node].empty()) continue;
+    pool_node::PoolClient* c = Client(node);
+    if (c == nullptr) continue;
+    absl::StatusOr<std::vector<absl::Status>> r = c->Put(by_node[node]);
+    if (!r.ok()) {
+      if (absl::IsResourceExhausted(r.status())) {
+        spdlog::warn("pool node {}: Put refused: {}", nodes_[node].address, std::string(r.status().message()));
+        continue;
+      }
+      MarkDown(node, r.status());
+      continue;
+    }
+    for (size_t i = 0; i < r->size(); ++i) {
+      if ((*r)[i].ok()) written += by_node[node][i].length;
+    }
+  }
+  return written;
+}
+
+std::string PoolTier::Describe() {
+  std::string out;
+  for (size_t i = 0; i < nodes_.size(); ++i) {
+    pool_node::PoolClient* c = Client(i);
+    if (c == nullptr) {
+      absl::StrAppend(&out, "    ", nodes_[i].address, "  unreachable now (", nodes_[i].last_error,
+                      "); retried on use\n");
+      continue;
+    }
+    absl::StrAppend(&out, "    ", nodes_[i].address, "  ", c->node_id(), "  DRAM ",
+                    FormatBytes(c->node_pages() * c->node_page_bytes()));
+    absl::StatusOr<v1::PoolStats> st = c->GetStats();
+    if (st.ok()) {
+      for (const v1::TierStats& t : st->tiers()) {
+        if (t.tier() == v1::TIER_NVME) absl::StrAppend(&out, ", NVMe ", FormatBytes(t.capacity_bytes()));
+      }
+    }
+    absl::StrAppend(&out, "\n");
+  }
+  return out;
+}
+
+}  // namespace kvpool::worker

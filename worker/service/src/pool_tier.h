@@ -1,0 +1,109 @@
+// PoolTier: the worker's view of the pool nodes. Blocks are placed by rendezvous
+// hashing over the configured node addresses (common/placement.h), so every worker
+// computes the same owner for a hash without asking anyone; a node that is down is
+// skipped (its blocks are misses: the worker recomputes them) and retried later.
+//
+//   Lookup(hashes)  one Lookup RPC per owning node (allow_gaps), each under a lease
+//   Get(found, dst) one transfer batch per node, straight into the worker's registered
+//                   KV arena pages (dst), checksums verified by the client
+//   Put(items)      one Reserve -> UCX put -> Commit per owning node
+//
+// Thread safety: not thread-safe; the worker's engine thread makes every call. The
+// counters are atomics (read from the stats RPC).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kvpool/common/placement.h"
+#include "kvpool/pool_node/client.h"
+
+namespace kvpool::transport {
+class Context;
+class Worker;
+class Arena;
+}  // namespace kvpool::transport
+
+namespace kvpool::worker {
+
+struct PoolTierOptions {
+  std::vector<std::string> node_addresses;  // kvpool-node gRPC host:port, >= 1
+  std::string client_id;                    // the worker's instance id
+  int rpc_timeout_ms = 2000;
+  absl::Duration retry_after = absl::Seconds(2);  // a failed node is skipped this long
+};
+
+// Where one looked-up hash was found.
+struct PoolFound {
+  size_t node = 0;  // index into node_addresses
+  pool_node::RemoteObject object;
+};
+
+struct PoolLookup {
+  std::vector<std::optional<PoolFound>> found;  // [hashes.size()]
+  std::vector<pool_node::PoolLease> leases;     // one per node answered, to Release
+};
+
+struct PoolPut {
+  BlockHash hash;
+  std::optional<BlockHash> parent;
+  StateKind kind = StateKind::kAttnKv;
+  std::vector<uint64_t> local_pages;  // arena pages holding the bytes
+  uint64_t length = 0;
+};
+
+class PoolTier {
+ public:
+  // Registers `arena_memory` (the worker's KV arena, pages of `page_bytes`) with UCX once
+  // and connects to every node that answers (the others are retried on use).
+  static absl::StatusOr<std::unique_ptr<PoolTier>> Create(PoolTierOptions options,
+                                                          std::span<std::byte> arena_memory,
+                                                          uint64_t page_bytes);
+  ~PoolTier();
+
+  // Presence of each hash (of one kind) on its owner node. Unreachable nodes: misses.
+  PoolLookup Lookup(std::span<const BlockHash> hashes, StateKind kind);
+  // Copies found[i] (i in `which`) into dst[k] pages of the arena. An error means
+  // nothing usable landed (the caller drops the import and recomputes).
+  absl::Status Get(const PoolLookup& lookup, std::span<const size_t> which,
+                   std::span<const std::vector<uint64_t>> dst);
+  void Release(PoolLookup& lookup);
+  // Stores items on their owner nodes; returns the bytes newly written. Failures are
+  // logged and counted, never fatal (offload is best effort: the GPU copy is intact).
+  uint64_t Put(std::span<const PoolPut> items);
+
+  size_t num_nodes() const { return nodes_.size(); }
+  size_t live_nodes() const;
+  // One line per node: address, id, DRAM capacity, state.
+  std::string Describe();
+
+  uint64_t rpc_failures() const { return rpc_failures_.load(); }
+
+ private:
+  struct Node {
+    std::string address;
+    std::unique_ptr<pool_node::PoolClient> client;
+    absl::Time down_until = absl::InfinitePast();
+    std::string last_error;
+  };
+  PoolTier() = default;
+  pool_node::PoolClient* Client(size_t node);  // connects lazily; null while down
+  void MarkDown(size_t node, const absl::Status& why);
+
+  PoolTierOptions opts_;
+  RendezvousRing ring_;
+  std::shared_ptr<transport::Context> ucx_;
+  std::unique_ptr<transport::Worker> worker_;
+  std::shared_ptr<transport::Arena> arena_;
+  std::vector<Node> nodes_;
+  std::atomic<uint64_t> rpc_failures_{0};
+};
+
+}  // namespace kvpool::worker
