@@ -196,6 +196,42 @@ TEST_P(RunnerTest, ImportedBlocksEqualRecompute) {
   EXPECT_EQ(*back, bytes[1]);
 }
 
+TEST_P(RunnerTest, InPlaceImportLandsInPagesAndFailedFetchLeavesNoHit) {
+  // BeginImport hands out the pages; the caller writes the bytes there itself (as a
+  // transport Get does). FinishImport(false) — the fetch failed — must leave nothing
+  // cached under those hashes, or a request would hit pages of garbage.
+  auto a = MakeRunner(preset());
+  auto b = MakeRunner(preset());
+  auto cold = MakeRunner(preset());
+  ASSERT_TRUE(a && b && cold);
+  const auto prompt = Concat(Prefix(), Tokens(5, 3));
+  Gen(*a, prompt, 1);
+  const auto chain = a->HashPrompt(prompt, "");
+  ASSERT_EQ(chain.size(), 2u);
+  const bool have[2] = {true, true};
+  auto failed = b->BeginImport(chain, have, {});
+  ASSERT_TRUE(failed.ok()) << failed.status();
+  ASSERT_EQ(failed->blocks.size(), 2u);
+  ASSERT_TRUE(b->FinishImport(*failed, /*filled=*/false).ok());
+  EXPECT_EQ(b->ExportBlock(chain[0]).status().code(), absl::StatusCode::kNotFound);
+  const GenerateResult recomputed = Gen(*b, prompt, 4);
+  EXPECT_EQ(recomputed.hit_tokens, 0);
+  auto c = MakeRunner(preset());
+  ASSERT_TRUE(c);
+  auto plan = c->BeginImport(chain, have, {});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  for (const ImportPlan::BlockSlot& slot : plan->blocks) {
+    auto bytes = a->ExportBlock(chain[static_cast<size_t>(slot.chain_index)]);
+    ASSERT_TRUE(bytes.ok());
+    std::memcpy(c->arena().PageAddress(slot.page), bytes->data(), bytes->size());
+  }
+  ASSERT_TRUE(c->FinishImport(*plan, /*filled=*/true).ok());
+  const GenerateResult fetched = Gen(*c, prompt, 4);
+  EXPECT_EQ(fetched.hit_tokens, 2 * block());
+  EXPECT_SAME_OUTPUT(fetched, Gen(*cold, prompt, 4));
+  EXPECT_SAME_OUTPUT(fetched, recomputed);
+}
+
 TEST_P(RunnerTest, ImportRefusesBadInput) {
   auto r = MakeRunner(preset());
   ASSERT_TRUE(r);

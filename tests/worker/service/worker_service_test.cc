@@ -3,6 +3,7 @@
 // tokens and hidden digest are bit-identical whether its prefix came from the local
 // cache, a pool node's DRAM or NVMe, or full recompute — for GQA, MLA and hybrid models.
 #include <grpcpp/grpcpp.h>
+#include <httplib.h>
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -412,6 +413,45 @@ TEST(WorkerService, RouterSeesTheWorkersCache) {
   }
   EXPECT_EQ(route.instance_id(), "worker-r");
   EXPECT_EQ(route.gpu_hit_blocks(), 6u);  // 100 tokens: 6 full blocks of 16
+}
+
+
+// Concurrent requests are batched into shared engine steps; each answer still equals
+// the request run alone. The Prometheus endpoint reports what happened.
+TEST(WorkerService, ConcurrentRequestsBatchAndMatchAlone) {
+  Cluster cl("batch");
+  std::mt19937 rng(21);
+  std::vector<Tokens> prompts = PrefixFamily(rng, 4, 2, 16, 512);
+  const std::vector<Tokens> more = PrefixFamily(rng, 4, 1, 16, 512);
+  prompts.insert(prompts.end(), more.begin(), more.end());
+  const std::vector<Answer> want = Oracle(cl, "tiny-gqa", prompts);
+  WorkerConfig c;
+  c.instance_id = "worker-batch";
+  c.metrics_port = 0;
+  auto server = WorkerServer::Start([&] {
+    c.listen = "127.0.0.1:0";
+    return c;
+  }());
+  ASSERT_TRUE(server.ok()) << server.status();
+  Client w((*server)->port());
+  std::vector<absl::StatusOr<Answer>> got(prompts.size(), absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    threads.emplace_back([&, i] { got[i] = w.Generate(prompts[i], 2); });
+  }
+  for (auto& t : threads) t.join();
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    ASSERT_TRUE(got[i].ok()) << got[i].status();
+    EXPECT_EQ(got[i]->output, want[i].output) << "prompt " << i;
+    EXPECT_EQ(got[i]->digest, want[i].digest) << "prompt " << i;
+    EXPECT_GE(got[i]->resp.ttft().total_s(), got[i]->resp.ttft().recompute_s());
+  }
+  httplib::Client http("127.0.0.1", (*server)->metrics_port());
+  auto res = http.Get("/metrics");
+  ASSERT_TRUE(res);
+  EXPECT_NE(res->body.find("kvpool_worker_requests_total{status=\"ok\"} 8"), std::string::npos) << res->body;
+  EXPECT_NE(res->body.find("kvpool_worker_kv_cache_usage_perc"), std::string::npos);
+  EXPECT_NE(res->body.find("kvpool_worker_prefix_cache_queries_total"), std::string::npos);
 }
 
 }  // namespace
