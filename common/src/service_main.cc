@@ -17,4 +17,11 @@ void WaitForTerminationSignal() {
   while (!g_signalled.load()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
 }
 
+std::string AdvertiseAddress(const std::string& listen, const std::string& advertise, int bound_port) {
+  if (!advertise.empty()) return advertise;
+  std::string host = listen.substr(0, listen.rfind(':'));
+  if (host.empty() || host == "0.0.0.0" || host == "[::]" || host == "::") host = "127.0.0.1";
+  return host + ":" + std::to_string(bound_port);
+}
+
 }  // namespace kvpool

@@ -114,9 +114,9 @@ absl::StatusOr<std::unique_ptr<NodeServer>> NodeServer::Start(NodeConfig config)
   builder.SetMaxReceiveMessageSize(64 << 20);
   builder.SetMaxSendMessageSize(64 << 20);
   if (po.node_id == "pool-node" || po.node_id.empty()) po.node_id = "pool-node";
-  std::string advertise = s.cfg.advertise.empty() ? s.cfg.listen : s.cfg.advertise;
   if (!s.cfg.router.empty()) {
-    s.publisher = std::make_unique<RouterPublisher>(s.cfg.router, po.node_id, advertise,
+    // The advertised port is filled in once the server has bound it (--listen=host:0).
+    s.publisher = std::make_unique<RouterPublisher>(s.cfg.router, po.node_id, s.cfg.advertise,
                                                     arena_bytes / po.page_bytes);
     po.events = s.publisher.get();
   }
@@ -130,7 +130,7 @@ absl::StatusOr<std::unique_ptr<NodeServer>> NodeServer::Start(NodeConfig config)
     return absl::UnavailableError(absl::StrCat("cannot listen on --listen=", s.cfg.listen,
                                                "; is the port in use?"));
   }
-  if (s.publisher) s.publisher->Start(s.core.get());
+  if (s.publisher) s.publisher->Start(s.core.get(), AdvertiseAddress(s.cfg.listen, s.cfg.advertise, s.port));
   PoolCore* core = s.core.get();
   MetricsRegistry* reg = &s.metrics;
   s.metrics.AddScrapeHook([core, reg] {

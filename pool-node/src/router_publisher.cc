@@ -29,9 +29,10 @@ RouterPublisher::RouterPublisher(std::string router_address, std::string source_
 
 RouterPublisher::~RouterPublisher() = default;
 
-void RouterPublisher::Start(const PoolCore* core) {
+void RouterPublisher::Start(const PoolCore* core, const std::string& advertise) {
   core_ = core;
   router::EventPublisherOptions o = opts_;
+  o.registration.set_address(advertise);
   o.dump = [this] {
     std::vector<v1::KvEvent> dump;
     core_->ForEachVisible([&](const ObjectKey& k, const std::optional<BlockHash>& parent, Tier t) {

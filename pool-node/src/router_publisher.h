@@ -25,7 +25,8 @@ class RouterPublisher : public EventSink {
                   uint64_t capacity_pages);
   ~RouterPublisher() override;
 
-  void Start(const PoolCore* core);
+  // `advertise`: the node's gRPC address as the router should dial it.
+  void Start(const PoolCore* core, const std::string& advertise);
   void OnStored(const ObjectKey& key, const std::optional<BlockHash>& parent, Tier tier) override;
   void OnRemoved(const ObjectKey& key, Tier tier) override;
 

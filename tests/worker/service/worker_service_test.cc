@@ -133,6 +133,7 @@ class Cluster {
     return port;
   }
   router::RouterServer* router() { return router_.get(); }
+  void StopWorkers() { workers_.clear(); }
 
  private:
   std::filesystem::path dir_;
@@ -413,6 +414,27 @@ TEST(WorkerService, RouterSeesTheWorkersCache) {
   }
   EXPECT_EQ(route.instance_id(), "worker-r");
   EXPECT_EQ(route.gpu_hit_blocks(), 6u);  // 100 tokens: 6 full blocks of 16
+
+  // A restarted worker (same id, new port, empty cache) re-registers; its full dump
+  // replaces what the router knew, so the prefix is no longer predicted there.
+  cl.StopWorkers();
+  const int port2 = cl.StartWorker(c);
+  ASSERT_NE(port2, 0);
+  for (int i = 0; i < 100; ++i) {
+    v1::RouteRequest req;
+    req.mutable_model()->set_name("tiny-gqa");
+    for (uint32_t t : prompt) req.add_tokens(t);
+    auto r = (*rc)->Route(req);
+    ASSERT_TRUE(r.ok()) << r.status();
+    route = *r;
+    if (route.instance_address() == absl::StrCat("127.0.0.1:", port2) && route.gpu_hit_blocks() == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(route.instance_address(), absl::StrCat("127.0.0.1:", port2));
+  EXPECT_EQ(route.gpu_hit_blocks(), 0u);
+  Client w2(port2);
+  auto again = w2.Generate(prompt, 2);
+  ASSERT_TRUE(again.ok()) << again.status();
 }
 
 

@@ -4,6 +4,8 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include <atomic>
+#include <unistd.h>
+
 #include <future>
 #include <iostream>
 #include <thread>
@@ -200,7 +202,8 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerConfig c
   // The instance id needs the port when it is defaulted; parse it from --listen.
   if (s.cfg.instance_id.empty()) {
     const size_t c = s.cfg.listen.rfind(':');
-    s.cfg.instance_id = absl::StrCat("worker-", c == std::string::npos ? s.cfg.listen : s.cfg.listen.substr(c + 1));
+    const std::string port = c == std::string::npos ? s.cfg.listen : s.cfg.listen.substr(c + 1);
+    s.cfg.instance_id = absl::StrCat("worker-", port == "0" ? absl::StrCat("pid", getpid()) : port);
   }
   ec.instance_id = s.cfg.instance_id;
   ASSIGN_OR_RETURN(s.engine, Engine::Create(std::move(ec), &s.metrics));
@@ -210,7 +213,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerConfig c
   if (s.server == nullptr || s.port == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on --listen=", s.cfg.listen, "; is the port in use?"));
   }
-  const std::string advertise = s.cfg.advertise.empty() ? s.cfg.listen : s.cfg.advertise;
+  const std::string advertise = AdvertiseAddress(s.cfg.listen, s.cfg.advertise, s.port);
   if (!s.cfg.router.empty()) {
     router::EventPublisherOptions po;
     po.router_address = s.cfg.router;

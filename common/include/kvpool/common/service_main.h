@@ -14,6 +14,7 @@
 
 #include <iostream>
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 
@@ -21,6 +22,11 @@ namespace kvpool {
 
 // Blocks until the process receives SIGINT or SIGTERM (installs the handlers).
 void WaitForTerminationSignal();
+
+// The address a server announces to others: `advertise` when given, else `listen` with
+// the port actually bound (so --listen=host:0 announces the real port) and a wildcard
+// host (0.0.0.0, [::], empty) replaced by 127.0.0.1.
+std::string AdvertiseAddress(const std::string& listen, const std::string& advertise, int bound_port);
 
 template <typename Config, typename Server>
 int RunServiceMain(const char* program, absl::StatusOr<Config> config,
