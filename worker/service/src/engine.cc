@@ -353,6 +353,9 @@ void Engine::StepOnce() {
     p->first_token = t1;
     p->recompute_s = Seconds(t1 - t0);
   }
+  // Write-through before answering: once Generate returns, the request's full blocks
+  // (and checkpoints) are in the pool, so a request sent elsewhere next can fetch them.
+  if (cfg_.offload == OffloadMode::kWriteThrough) OffloadWriteThrough();
   for (model::SequenceId id : *finished) {
     auto it = running_.find(id);
     if (it == running_.end()) continue;

@@ -7,10 +7,11 @@
 //               recompute (cost model, measured rates) ─► BeginImport / Get into the
 //               arena pages / FinishImport ─► runner.AddSequence
 //     step      runner.Step(): admissions + one decode token for every running sequence
-//     respond   finished sequences: tokens, digest, TTFT breakdown
 //     offload   write-through: blocks and KDA checkpoints cached by the step go to their
-//               pool node; write-back: evicted blocks go there from the eviction event,
-//               before their page is reused
+//               pool node (before the step's finished requests are answered, so a
+//               finished request's blocks are in the pool); write-back: evicted blocks
+//               go there from the eviction event, before their page is reused
+//     respond   finished sequences: tokens, digest, TTFT breakdown
 //   cache events ─► router publisher (stored / removed, tier GPU) + the dump mirror
 //
 // Thread safety: Submit, Stats, Load, DumpEvents are thread-safe; everything else runs

@@ -8,6 +8,13 @@
 #include "spdlog/spdlog.h"
 
 namespace kvpool::worker {
+namespace {
+// The node (or the way to it) failed, as opposed to refusing this request.
+bool IsNodeFailure(const absl::Status& s) {
+  return absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s) || absl::IsInternal(s) || absl::IsUnknown(s) ||
+         absl::IsAborted(s);
+}
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<PoolTier>> PoolTier::Create(PoolTierOptions options,
                                                            std::span<std::byte> arena_memory,
@@ -83,7 +90,12 @@ PoolLookup PoolTier::Lookup(std::span<const BlockHash> hashes, StateKind kind) {
     for (size_t i : by_node[node]) mine.push_back(hashes[i]);
     absl::StatusOr<pool_node::PoolLease> lease = c->Lookup(mine, kind, 0, /*allow_gaps=*/true);
     if (!lease.ok()) {
-      MarkDown(node, lease.status());
+      if (IsNodeFailure(lease.status())) {
+        MarkDown(node, lease.status());
+      } else {
+        ++rpc_failures_;
+        spdlog::warn("pool node {}: Lookup refused: {}", nodes_[node].address, std::string(lease.status().message()));
+      }
       continue;
     }
     // Objects come back in chain order; match them to our indices by hash.
@@ -124,7 +136,7 @@ absl::Status PoolTier::Get(const PoolLookup& lookup, std::span<const size_t> whi
     if (c == nullptr) return absl::UnavailableError(absl::StrCat("pool node ", nodes_[node].address, " went away"));
     absl::Status s = c->Get(part, part_dst);
     if (!s.ok()) {
-      if (absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s)) MarkDown(node, s);
+      if (IsNodeFailure(s)) MarkDown(node, s);
       return s;
     }
   }
@@ -144,27 +156,39 @@ void PoolTier::Release(PoolLookup& lookup) {
 }
 
 uint64_t PoolTier::Put(std::span<const PoolPut> items) {
-  std::vector<std::vector<pool_node::PutItem>> by_node(nodes_.size());
+  // One Reserve/Commit per (node, kind): within a reservation objects are named by hash
+  // alone, and a KDA checkpoint shares its hash with the block ending at its boundary.
+  std::vector<std::vector<pool_node::PutItem>> groups(nodes_.size() * 2);
   for (const PoolPut& p : items) {
-    by_node[ring_.Owner(p.hash)].push_back(
-        pool_node::PutItem{p.hash, p.parent, p.kind, p.local_pages, p.length});
+    const size_t owner = ring_.Owner(p.hash);
+    // A parent placed on another node is not named: on each node a chain is a run of
+    // locally linked segments, so the node's leaf-first eviction and its rule that a
+    // KDA checkpoint is visible only while its KV prefix is present both work on what
+    // the node holds (the worker checks the whole prefix before using a checkpoint).
+    std::optional<BlockHash> parent = p.parent;
+    if (parent && ring_.Owner(*parent) != owner) parent.reset();
+    const size_t g = owner * 2 + (p.kind == StateKind::kLinearState ? 1 : 0);
+    groups[g].push_back(pool_node::PutItem{p.hash, parent, p.kind, p.local_pages, p.length});
   }
   uint64_t written = 0;
-  for (size_t node = 0; node < nodes_.size(); ++node) {
-    if (by_node[node].empty()) continue;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    if (groups[g].empty()) continue;
+    const size_t node = g / 2;
     pool_node::PoolClient* c = Client(node);
     if (c == nullptr) continue;
-    absl::StatusOr<std::vector<absl::Status>> r = c->Put(by_node[node]);
+    absl::StatusOr<std::vector<absl::Status>> r = c->Put(groups[g]);
     if (!r.ok()) {
-      if (absl::IsResourceExhausted(r.status())) {
-        spdlog::warn("pool node {}: Put refused: {}", nodes_[node].address, std::string(r.status().message()));
-        continue;
+      if (IsNodeFailure(r.status())) {
+        MarkDown(node, r.status());
+      } else {
+        ++rpc_failures_;
+        spdlog::warn("pool node {}: Put of {} objects refused: {}", nodes_[node].address, groups[g].size(),
+                     std::string(r.status().message()));
       }
-      MarkDown(node, r.status());
       continue;
     }
     for (size_t i = 0; i < r->size(); ++i) {
-      if ((*r)[i].ok()) written += by_node[node][i].length;
+      if ((*r)[i].ok()) written += groups[g][i].length;
     }
   }
   return written;

@@ -6,7 +6,10 @@
 //   Lookup(hashes)  one Lookup RPC per owning node (allow_gaps), each under a lease
 //   Get(found, dst) one transfer batch per node, straight into the worker's registered
 //                   KV arena pages (dst), checksums verified by the client
-//   Put(items)      one Reserve -> UCX put -> Commit per owning node
+//   Put(items)      one Reserve -> UCX put -> Commit per owning node and state kind;
+//                   a parent owned by another node is not named (each node links the
+//                   chain segments it holds, so its leaf-first eviction and its
+//                   "checkpoint visible only with its KV prefix" rule see local chains)
 //
 // Thread safety: not thread-safe; the worker's engine thread makes every call. The
 // counters are atomics (read from the stats RPC).
