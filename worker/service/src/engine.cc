@@ -191,8 +191,8 @@ void Engine::FailAll(const absl::Status& why) {
     if (runner_ != nullptr) runner_->Abort(id).IgnoreError();
     p->done(why);
   }
+  m_failed_->Increment(static_cast<double>(q.size() + running_.size()));
   running_.clear();
-  m_failed_->Increment(static_cast<double>(q.size()));
 }
 
 void Engine::Admit(std::unique_ptr<Pending> p) {
@@ -397,7 +397,7 @@ void Engine::Respond(Pending& p, absl::StatusOr<model::GenerateResult> r) {
   if (r->recomputed_tokens > 0 && p.recompute_s > 0) {
     Ewma(recompute_tokens_per_s_, static_cast<double>(r->recomputed_tokens + r->replayed_tokens) / p.recompute_s);
   }
-  if (publisher_ != nullptr) publisher_->CompleteDecision(p.req.decision_id);
+  if (router::EventPublisher* pub = publisher_.load()) pub->CompleteDecision(p.req.decision_id);
   {
     absl::MutexLock l(&mu_);
     stats_.set_prefix_queries_tokens(stats_.prefix_queries_tokens() + static_cast<uint64_t>(r->prompt_tokens));
@@ -447,7 +447,7 @@ void Engine::AdmitAccounting(Pending& p) {
     stats_.set_prefix_hits_gpu_tokens(stats_.prefix_hits_gpu_tokens() + static_cast<uint64_t>(hit->num_tokens));
     stats_.set_tokens_recomputed(stats_.tokens_recomputed() + static_cast<uint64_t>(recompute));
   }
-  if (publisher_ != nullptr) publisher_->CompleteDecision(p.req.decision_id);
+  if (router::EventPublisher* pub = publisher_.load()) pub->CompleteDecision(p.req.decision_id);
   p.done(std::move(out));
 }
 
@@ -534,7 +534,7 @@ void Engine::Publish(absl::string_view /*source_id*/, const cache::KvEvent& even
       mirror_[1].clear();
     }
   }
-  if (publisher_ != nullptr) publisher_->Publish(std::move(e));
+  if (router::EventPublisher* pub = publisher_.load()) pub->Publish(std::move(e));
 
   // 2. Offload bookkeeping.
   if (pool_ == nullptr || cfg_.offload == OffloadMode::kOff) return;

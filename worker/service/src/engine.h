@@ -86,8 +86,8 @@ class Engine : public cache::KvEventSink {
   v1::Load Load() const;
   // Every object the worker caches, as `stored` events (the router's full dump).
   std::vector<v1::KvEvent> DumpEvents() const;
-  // Not owned; set before Start. Null: no router.
-  void SetPublisher(router::EventPublisher* publisher) { publisher_ = publisher; }
+  // Not owned; may be set while the engine runs. Null: no router.
+  void SetPublisher(router::EventPublisher* publisher) { publisher_.store(publisher); }
   std::string Describe();
 
   const ModelSpec& spec() const { return cfg_.spec; }
@@ -134,7 +134,7 @@ class Engine : public cache::KvEventSink {
   std::unique_ptr<model::ModelRunner> runner_;         // computable specs
   std::unique_ptr<cache::KvCacheManager> accounting_;  // real-shape specs
   std::unique_ptr<PoolTier> pool_;
-  router::EventPublisher* publisher_ = nullptr;
+  std::atomic<router::EventPublisher*> publisher_{nullptr};
   const cache::BlockPool* block_pool_ = nullptr;
 
   // Engine thread only.

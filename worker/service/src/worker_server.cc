@@ -207,6 +207,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerConfig c
   }
   ec.instance_id = s.cfg.instance_id;
   ASSIGN_OR_RETURN(s.engine, Engine::Create(std::move(ec), &s.metrics));
+  s.engine->Start();  // before the server: no request finds it not running
   s.service = std::make_unique<WorkerService>(s.engine.get(), s.cfg);
   builder.RegisterService(s.service.get());
   s.server = builder.BuildAndStart();
@@ -230,7 +231,6 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerConfig c
     s.publisher = std::make_unique<router::EventPublisher>(std::move(po));
     s.engine->SetPublisher(s.publisher.get());
   }
-  s.engine->Start();
   if (s.publisher) s.publisher->Start();
   if (s.cfg.metrics_port >= 0) {
     ASSIGN_OR_RETURN(s.http, MetricsHttpServer::Start(&s.metrics, "0.0.0.0", s.cfg.metrics_port));
