@@ -1,7 +1,9 @@
 #include "kvpool/metrics/metrics.h"
 
 #include <cmath>
+#include <chrono>
 #include <sstream>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "httplib.h"
@@ -175,6 +177,11 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   s->port_ = bound;
   Impl* impl = s->impl_.get();
   s->thread_ = std::thread([impl] { impl->server.listen_after_bind(); });
+  // httplib's stop() before the listen loop has started is lost (the loop then runs
+  // forever and the destructor's join hangs), so return only once it is running.
+  for (int i = 0; i < 5000 && !impl->server.is_running(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   return s;
 }
 
