@@ -317,7 +317,7 @@ int main(int argc, char** argv) {
   CLI::App app{"router_bench: router index throughput, lookup latency and gRPC Route", "router_bench"};
   const char* env = std::getenv("KVPOOL_SOURCE_DIR");
   std::string trace = std::string(env ? env : KVPOOL_SOURCE_DIR) + "/../shared/data/traces/synthetic_trace.jsonl";
-  bool json = false, skip_grpc = false;
+  bool json = false, skip_grpc = false, skip_throughput = false;
   int passes = 8, iterations = 200000, reps = 3;
   size_t capacity = 4096;
   GrpcBenchOptions g;
@@ -331,11 +331,12 @@ int main(int argc, char** argv) {
   app.add_option("--channels", g.channels, "concurrent gRPC client connections")->capture_default_str();
   app.add_option("--outstanding", g.outstanding, "closed-loop concurrent calls")->capture_default_str();
   app.add_flag("--skip-grpc", skip_grpc, "skip the gRPC phase");
+  app.add_flag("--skip-throughput", skip_throughput, "skip the index throughput phase (lookup latency only)");
   app.add_flag("--json", json, "print JSON");
   CLI11_PARSE(app, argc, argv);
 
   nlohmann::ordered_json out;
-  out["index_throughput"] = IndexThroughput(LoadTrace(trace), passes, capacity, reps);
+  if (!skip_throughput) out["index_throughput"] = IndexThroughput(LoadTrace(trace), passes, capacity, reps);
   out["lookup_latency"] = LookupLatency(iterations);
   if (!skip_grpc) out["grpc_route"] = RunGrpcBench(g);
   if (json) {

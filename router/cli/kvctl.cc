@@ -14,6 +14,7 @@ int RunKvctl(const std::vector<std::string>& args, std::ostream& out, std::ostre
   AddRouteCommands(app, io);
   AddSimulateCommands(app, io);
   AddReplayCommands(app, io);
+  AddLoadCommands(app, io);
 
   std::vector<std::string> rev(args.rbegin(), args.rend() - (args.empty() ? 0 : 1));
   try {

@@ -41,4 +41,7 @@ void AddSimulateCommands(CLI::App& app, Io& io);
 // Registers `kvctl replay` (drive a live loopback/test cluster with a trace).
 void AddReplayCommands(CLI::App& app, Io& io);
 
+// Registers `kvctl load` (open-loop Route load on a loopback/private router).
+void AddLoadCommands(CLI::App& app, Io& io);
+
 }  // namespace kvpool::kvctl

@@ -28,6 +28,7 @@
 #include "absl/strings/str_split.h"
 #include "format.h"
 #include "kvctl.h"
+#include "net.h"
 #include "kvpool/common/model_spec.h"
 #include "kvpool/common/units.h"
 #include "kvpool/router/router_client.h"
@@ -57,25 +58,6 @@ struct ReplayArgs {
   bool json = false;
   std::string csv;
 };
-
-// Loopback, or a private address as used by test network namespaces.
-bool AllowedHost(const std::string& hostport) {
-  std::string host = hostport;
-  if (!host.empty() && host[0] == '[') {
-    host = host.substr(1, host.find(']') - 1);
-  } else if (auto c = host.rfind(':'); c != std::string::npos) {
-    host = host.substr(0, c);
-  }
-  if (host == "localhost" || host == "::1") return true;
-  std::vector<std::string> parts = absl::StrSplit(host, '.');
-  if (parts.size() != 4) return false;
-  int o[4];
-  for (int i = 0; i < 4; ++i) {
-    if (!absl::SimpleAtoi(parts[static_cast<size_t>(i)], &o[i]) || o[i] < 0 || o[i] > 255) return false;
-  }
-  return o[0] == 127 || o[0] == 10 || (o[0] == 172 && o[1] >= 16 && o[1] <= 31) || (o[0] == 192 && o[1] == 168) ||
-         (o[0] == 169 && o[1] == 254);
-}
 
 struct Record {
   size_t index = 0;

@@ -12,11 +12,11 @@ constexpr PolicyKind kAll[] = {PolicyKind::kRandom,     PolicyKind::kRoundRobin,
                                PolicyKind::kPowerOfTwo, PolicyKind::kSession,    PolicyKind::kCacheAware,
                                PolicyKind::kTtft};
 
-// a is better than b on load: fewer requests, then fewer queued tokens, then lower slot.
+// a is better than b on load: fewer requests, then fewer queued tokens. Candidates equal
+// on both are tied; Policy::Best breaks ties at random (seeded), not by slot.
 bool LessLoaded(const Candidate& a, const Candidate& b) {
   if (a.load != b.load) return a.load < b.load;
-  if (a.queued_tokens != b.queued_tokens) return a.queued_tokens < b.queued_tokens;
-  return a.slot < b.slot;
+  return a.queued_tokens < b.queued_tokens;
 }
 }  // namespace
 
@@ -47,12 +47,36 @@ absl::StatusOr<PolicyKind> ParsePolicy(absl::string_view name) {
                                                  absl::StrJoin(PolicyNames(), ", ")));
 }
 
-size_t Policy::LeastLoad(std::span<const Candidate> c) const {
-  size_t best = 0;
-  for (size_t i = 1; i < c.size(); ++i) {
-    if (LessLoaded(c[i], c[best])) best = i;
+template <typename Better, typename Eligible>
+size_t Policy::Best(std::span<const Candidate> c, const Better& better, const Eligible& eligible) {
+  // One pass finds the best eligible candidate and counts those tied with it (neither is
+  // better than the other); with several, one rng draw picks the k-th of them. Ties under
+  // equal load are the common case on an idle cluster, and a fixed order (lowest slot)
+  // would pile every such request onto the first instances.
+  size_t best = c.size(), ties = 0;
+  for (size_t i = 0; i < c.size(); ++i) {
+    if (!eligible(i)) continue;
+    if (best == c.size() || better(i, best)) {
+      best = i;
+      ties = 1;
+    } else if (!better(best, i)) {
+      ++ties;
+    }
+  }
+  if (ties <= 1) return best;
+  size_t k = std::uniform_int_distribution<size_t>(0, ties - 1)(rng_);
+  for (size_t i = best; i < c.size(); ++i) {  // the tied ones are at or after `best`
+    if (i == best || (eligible(i) && !better(i, best) && !better(best, i))) {
+      if (k == 0) return i;
+      --k;
+    }
   }
   return best;
+}
+
+size_t Policy::LeastLoad(std::span<const Candidate> c) {
+  return Best(
+      c, [&c](size_t a, size_t b) { return LessLoaded(c[a], c[b]); }, [](size_t) { return true; });
 }
 
 size_t Policy::Random(std::span<const Candidate> c) {
@@ -64,10 +88,10 @@ size_t Policy::PowerOfTwo(std::span<const Candidate> c) {
   const size_t a = std::uniform_int_distribution<size_t>(0, c.size() - 1)(rng_);
   size_t b = std::uniform_int_distribution<size_t>(0, c.size() - 2)(rng_);
   if (b >= a) ++b;
-  return LessLoaded(c[b], c[a]) ? b : a;
+  return LessLoaded(c[b], c[a]) ? b : a;  // a tie goes to the first draw: uniform
 }
 
-size_t Policy::CacheAware(std::span<const Candidate> c, uint32_t total_blocks) const {
+size_t Policy::CacheAware(std::span<const Candidate> c, uint32_t total_blocks) {
   double mean = 0, max_load = 0;
   for (const Candidate& x : c) {
     mean += x.load;
@@ -80,30 +104,28 @@ size_t Policy::CacheAware(std::span<const Candidate> c, uint32_t total_blocks) c
   const double cap = mean * params_.balance_rel + params_.balance_abs;
   const double total = std::max<uint32_t>(total_blocks, 1);
   const double load_norm = std::max(max_load, 1.0);
-  size_t best = c.size();
-  double best_score = 0;
+  scores_.resize(c.size());
   for (size_t i = 0; i < c.size(); ++i) {
-    if (c[i].load + 1.0 > cap) continue;
-    const double score = params_.overlap_weight * (c[i].gpu_blocks / total) -
-                         params_.load_weight * (c[i].load / load_norm);
-    if (best == c.size() || score > best_score ||
-        (score == best_score && LessLoaded(c[i], c[best]))) {
-      best = i;
-      best_score = score;
-    }
+    scores_[i] = params_.overlap_weight * (c[i].gpu_blocks / total) - params_.load_weight * (c[i].load / load_norm);
   }
+  const size_t best = Best(
+      c,
+      [&](size_t a, size_t b) {
+        if (scores_[a] != scores_[b]) return scores_[a] > scores_[b];
+        return LessLoaded(c[a], c[b]);
+      },
+      [&](size_t i) { return !(c[i].load + 1.0 > cap); });
   return best == c.size() ? LeastLoad(c) : best;
 }
 
-size_t Policy::Ttft(std::span<const Candidate> c) const {
-  size_t best = 0;
-  for (size_t i = 1; i < c.size(); ++i) {
-    if (c[i].est_ttft_s < c[best].est_ttft_s ||
-        (c[i].est_ttft_s == c[best].est_ttft_s && LessLoaded(c[i], c[best]))) {
-      best = i;
-    }
-  }
-  return best;
+size_t Policy::Ttft(std::span<const Candidate> c) {
+  return Best(
+      c,
+      [&c](size_t a, size_t b) {
+        if (c[a].est_ttft_s != c[b].est_ttft_s) return c[a].est_ttft_s < c[b].est_ttft_s;
+        return LessLoaded(c[a], c[b]);
+      },
+      [](size_t) { return true; });
 }
 
 void Policy::RememberSession(absl::string_view session_id, std::string instance_id) {

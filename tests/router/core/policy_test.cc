@@ -1,6 +1,8 @@
 // Each policy's choice on constructed candidate sets.
 #include "kvpool/router/policy.h"
 
+#include <algorithm>
+#include <map>
 #include <set>
 
 #include <gtest/gtest.h>
@@ -104,6 +106,52 @@ TEST(PolicyTest, TtftPicksLowestEstimateThenLowerLoad) {
   Policy p({}, 1);
   EXPECT_EQ(Pick(p, PolicyKind::kTtft, {C(0, 0, 0, 0.5), C(1, 0, 9, 0.2), C(2, 0, 0, 0.3)}), 1u);
   EXPECT_EQ(Pick(p, PolicyKind::kTtft, {C(0, 0, 3, 0.2), C(1, 0, 1, 0.2)}), 1u);
+}
+
+// Equal load (an idle or evenly loaded cluster): ties are spread over every tied
+// candidate at random, not given to the lowest slot, and the spread is the same for a seed.
+TEST(PolicyTest, TiesUnderEqualLoadAreSpreadAndSeeded) {
+  constexpr int kInstances = 1024, kPicks = 20 * kInstances;
+  std::vector<Candidate> c;
+  for (int i = 0; i < kInstances; ++i) c.push_back(C(static_cast<SourceSlot>(i), 0, 3, 0.5, 100));
+  for (PolicyKind k : {PolicyKind::kLeastLoad, PolicyKind::kCacheAware, PolicyKind::kTtft, PolicyKind::kSession}) {
+    Policy a({}, 11), b({}, 11);
+    std::vector<int> count(kInstances, 0);
+    for (int i = 0; i < kPicks; ++i) {
+      const size_t x = Pick(a, k, c);
+      const size_t y = Pick(b, k, c);
+      EXPECT_EQ(x, y) << PolicyName(k);
+      if (x < c.size()) {
+        ++count[x];
+      } else {
+        ADD_FAILURE() << PolicyName(k) << " picked " << x;
+      }
+    }
+    const int distinct = static_cast<int>(std::count_if(count.begin(), count.end(), [](int n) { return n > 0; }));
+    const int busiest = *std::max_element(count.begin(), count.end());
+    // Uniform: 20 per instance on average; the old lowest-slot rule gave slot 0 all of them.
+    EXPECT_EQ(distinct, kInstances) << PolicyName(k);
+    EXPECT_LE(busiest, 3 * kPicks / kInstances) << PolicyName(k);
+  }
+  // Only exact ties are randomised: a strictly better candidate still always wins.
+  Policy p({}, 5);
+  c[700].queued_tokens = 99;
+  for (int i = 0; i < 100; ++i) EXPECT_EQ(Pick(p, PolicyKind::kLeastLoad, c), 700u);
+  c[700].queued_tokens = 100;
+  c[900].gpu_blocks = 1;
+  for (int i = 0; i < 100; ++i) EXPECT_EQ(Pick(p, PolicyKind::kCacheAware, c), 900u);
+  c[300].est_ttft_s = 0.25;
+  for (int i = 0; i < 100; ++i) EXPECT_EQ(Pick(p, PolicyKind::kTtft, c), 300u);
+}
+
+// Ties among a subset: only the tied best ones are picked, each of them sometimes.
+TEST(PolicyTest, TiesPickOnlyAmongTheBest) {
+  Policy p({}, 2);
+  std::vector<Candidate> c = {C(0, 0, 5), C(1, 0, 1), C(2, 0, 3), C(3, 0, 1), C(4, 0, 1), C(5, 0, 2)};
+  std::map<size_t, int> seen;
+  for (int i = 0; i < 300; ++i) ++seen[Pick(p, PolicyKind::kLeastLoad, c)];
+  EXPECT_EQ(seen.size(), 3u);
+  for (size_t want : {1u, 3u, 4u}) EXPECT_GT(seen[want], 0) << want;
 }
 
 }  // namespace

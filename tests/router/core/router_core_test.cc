@@ -292,8 +292,10 @@ TEST_F(RouterCoreTest, ApproximateModePredictsFromDecisionsUntilTtl) {
   Worker("a0", "llama-3.3-70b", /*events=*/false);
   Worker("w1");
   auto h = Hash(Tokens(16 * 6, 7));
+  // w1 reports a queue so the first decision goes to a0 (ties are broken at random).
+  core_->Heartbeat("w1", Load(0, 100000), {}, kT0);
   RouteDecision first = Route(h);
-  EXPECT_EQ(first.instance_id, "a0");  // tie on everything: lower slot
+  EXPECT_EQ(first.instance_id, "a0");
   EXPECT_EQ(first.gpu_hit_blocks, 0u);
   core_->CompleteDecision(first.decision_id);
   RouteDecision second = Route(h, kT0 + absl::Seconds(3));

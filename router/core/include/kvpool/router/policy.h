@@ -12,9 +12,12 @@
 //                 candidates below the herding cap (see PolicyParams)
 //   ttft          argmin estimated TTFT = queue + transfer(pool part) + prefill(rest)
 //
-// Ties go to the lower load, then the lower slot, so results are deterministic for a seed.
+// Ties go to the lower load, then the fewer queued tokens; candidates still tied (equal
+// score, load and queued tokens: every idle instance on a quiet cluster) are picked
+// uniformly at random with the policy's seeded rng, so results are deterministic for a
+// seed without piling ties onto the lowest slots.
 //
-// Thread safety: none (round_robin's counter, the rng and the session map mutate).
+// Thread safety: none (round_robin's counter, the rng, the scratch and the session map mutate).
 #pragma once
 
 #include <cstdint>
@@ -77,9 +80,9 @@ class Policy {
   size_t Choose(PolicyKind kind, std::span<const Candidate> candidates, uint32_t total_blocks,
                 absl::string_view session_id, const IdOf& instance_id);
 
-  size_t LeastLoad(std::span<const Candidate> c) const;
-  size_t CacheAware(std::span<const Candidate> c, uint32_t total_blocks) const;
-  size_t Ttft(std::span<const Candidate> c) const;
+  size_t LeastLoad(std::span<const Candidate> c);
+  size_t CacheAware(std::span<const Candidate> c, uint32_t total_blocks);
+  size_t Ttft(std::span<const Candidate> c);
   size_t Random(std::span<const Candidate> c);
   size_t RoundRobin(std::span<const Candidate> c) { return rr_++ % c.size(); }
   size_t PowerOfTwo(std::span<const Candidate> c);
@@ -87,10 +90,15 @@ class Policy {
 
  private:
   void RememberSession(absl::string_view session_id, std::string instance_id);
+  // The best eligible candidate under the strict order `better(i, j)`; ties (neither
+  // better) are broken uniformly with rng_. c.size() when none is eligible.
+  template <typename Better, typename Eligible>
+  size_t Best(std::span<const Candidate> c, const Better& better, const Eligible& eligible);
 
   PolicyParams params_;
   std::mt19937_64 rng_;
   uint64_t rr_ = 0;
+  std::vector<double> scores_;  // cache_aware scratch, reused
   struct Sticky {
     std::string instance_id;
     uint64_t last_use;
