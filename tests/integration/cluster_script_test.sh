@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# deploy/local/cluster.sh start / status / stop on ports picked free at run time, in a temp
+# run directory: everything comes up SERVING, the router lists it, status says alive,
+# and stop leaves no process behind.
+# Usage: cluster_script_test.sh <source dir> <build dir>
+# Exit 77 (CTest: skipped) when kvpool-worker is not built; the router + pool node part
+# is still checked first.
+set -euo pipefail
+SRC="$1"
+BIN="$2"
+CLUSTER="$SRC/deploy/local/cluster.sh"
+KVCTL="$BIN/router/cli/kvctl"
+WORKER_BIN="$BIN/worker/service/kvpool-worker"
+
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+# A base port whose router, pool node and worker ports are all free.
+pick_base() {
+  local try p ok
+  for ((try = 0; try < 200; try++)); do
+    p=$((20000 + (RANDOM * 32768 + RANDOM) % 30000))
+    ok=1
+    for q in $p $((p + 10)) $((p + 11)) $((p + 20)) $((p + 21)); do
+      port_free "$q" || { ok=0; break; }
+    done
+    [[ $ok == 1 ]] && { echo "$p"; return 0; }
+  done
+  return 1
+}
+
+RUN_DIR="$(mktemp -d "${TMPDIR:-/tmp}/kvpool-cluster-script-XXXXXX")"
+cleanup() {
+  bash "$CLUSTER" stop --dir "$RUN_DIR" >/dev/null 2>&1 || true
+  rm -rf "$RUN_DIR"
+}
+trap cleanup EXIT
+
+# check <workers>: one start / status / stop cycle.
+check() {
+  local workers="$1" base pids=() expect=$((3 + $1)) n
+  base="$(pick_base)" || fail "no free base port"
+  echo "== cluster.sh start --workers $workers --base-port $base --dir $RUN_DIR"
+  # Small tiers: a test machine has little room to spare.
+  bash "$CLUSTER" start --dir "$RUN_DIR" --bin-dir "$BIN" --base-port "$base" --workers "$workers" \
+    --num-blocks 128 --dram 16MiB --nvme 32MiB || fail "start failed (output above)"
+
+  echo "== cluster.sh status"
+  local status
+  status="$(bash "$CLUSTER" status --dir "$RUN_DIR")" || { echo "$status"; fail "status says something is dead"; }
+  echo "$status"
+  n="$(grep -c ' alive ' <<<"$status" || true)"
+  [[ "$n" == "$expect" ]] || fail "status shows $n processes alive, want $expect"
+  for f in "$RUN_DIR"/*.pid; do pids+=("$(cat "$f")"); done
+  [[ ${#pids[@]} == "$expect" ]] || fail "${#pids[@]} pid files, want $expect"
+
+  echo "== kvctl status --router 127.0.0.1:$base"
+  local rs
+  rs="$("$KVCTL" status --router "127.0.0.1:$base")" || fail "kvctl status failed: $rs"
+  echo "$rs"
+  local ids=(pool-a pool-b)
+  for ((n = 0; n < workers; n++)); do ids+=("worker-$n"); done
+  for id in "${ids[@]}"; do
+    grep -q -- "$id" <<<"$rs" || fail "the router does not list $id"
+  done
+
+  echo "== cluster.sh start again (refused while running)"
+  if bash "$CLUSTER" start --dir "$RUN_DIR" --bin-dir "$BIN" --base-port "$base" --workers "$workers" \
+      >/dev/null 2>&1; then
+    fail "a second start in the same run dir succeeded"
+  fi
+
+  echo "== cluster.sh stop"
+  bash "$CLUSTER" stop --dir "$RUN_DIR" || fail "stop failed"
+  for p in "${pids[@]}"; do
+    if kill -0 "$p" 2>/dev/null && [[ "$(awk '{print $3}' "/proc/$p/stat" 2>/dev/null)" != Z ]]; then
+      fail "pid $p still running after stop"
+    fi
+  done
+  ! compgen -G "$RUN_DIR/*.pid" >/dev/null || fail "pid files left: $(ls "$RUN_DIR"/*.pid)"
+  if bash "$CLUSTER" status --dir "$RUN_DIR" >/dev/null; then fail "status says alive after stop"; fi
+  for q in $base $((base + 10)) $((base + 11)); do
+    port_free "$q" || fail "port $q still in use after stop"
+  done
+  echo "ok: workers=$workers"
+}
+
+check 0
+if [[ ! -x "$WORKER_BIN" ]]; then
+  echo "SKIP: $WORKER_BIN is not built; only router + pool nodes were checked"
+  exit 77
+fi
+check 2
+echo "PASS"
