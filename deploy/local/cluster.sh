@@ -239,8 +239,11 @@ do_start() {
   rm -f "$RUN_DIR/cluster.manifest"
   echo "kvpool local cluster in $RUN_DIR (binaries from $BIN_DIR, model $MODEL)"
 
+  # The router's cost model must know these workers are CPUs computing tiny models
+  # (~1e10 FLOP/s effective, attention included), not 400 TFLOP/s GPUs; otherwise it
+  # predicts recompute is always cheaper than a pool fetch.
   launch router "$ROUTER_ADDR" "$ROUTER_BIN" --listen "$ROUTER_ADDR" --models "$MODEL" \
-    --policy "$POLICY" --metrics-port "$(metrics_port 0)"
+    --policy "$POLICY" --metrics-port "$(metrics_port 0)" --flops 1e10
   wait_healthy router "$ROUTER_ADDR"
 
   local pool_addrs=() name addr letters=(a b c d e f g h i j)

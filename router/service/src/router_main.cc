@@ -1,12 +1,15 @@
 // kvpool-router's flags and lifecycle: parse, print the config, serve until a signal.
 #include <csignal>
 #include <iostream>
+#include <tuple>
 #include <thread>
 
 #include <CLI/CLI.hpp>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "kvpool/common/units.h"
 #include "kvpool/router/router_server.h"
 
 namespace kvpool::router {
@@ -53,6 +56,10 @@ int RunRouterMain(int argc, char** argv) {
   app.add_option("--apply-slice-events", o.host.apply_slice_events, "events applied per lock hold")
       ->capture_default_str();
   app.add_option("--seed", c.seed, "seed of the random policies")->capture_default_str();
+  std::string flops, dram_bw, nvme_bw;
+  app.add_option("--flops", flops, "achieved prefill FLOP/s of a worker for the cost model, e.g. 400e12 (default) or 2e9 for CPU tiny-* workers");
+  app.add_option("--pool-dram-bandwidth", dram_bw, "pool DRAM fetch bandwidth for the cost model, e.g. 25GB/s (default)");
+  app.add_option("--pool-nvme-bandwidth", nvme_bw, "pool NVMe fetch bandwidth for the cost model, e.g. 7GB/s (default)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -69,6 +76,19 @@ int RunRouterMain(int argc, char** argv) {
   if (!h.ok()) return bad(absl::StrCat("--hybrid-mode: ", h.status().message()));
   c.hybrid_mode = *h;
   c.models = models;
+  if (!flops.empty()) {
+    double f = 0;
+    if (!absl::SimpleAtod(flops, &f) || !(f > 0)) return bad(absl::StrCat("--flops=", flops, " is not a positive number; e.g. 400e12"));
+    c.cost.achieved_flops = f;
+  }
+  for (auto [flag, text, out] : {std::tuple{"--pool-dram-bandwidth", &dram_bw, &c.pool_dram_bandwidth},
+                                 std::tuple{"--pool-nvme-bandwidth", &nvme_bw, &c.pool_nvme_bandwidth}}) {
+    if (text->empty()) continue;
+    auto r = ParseRate(*text, flag);
+    if (!r.ok()) return bad(r.status().message());
+    if (!(*r > 0)) return bad(absl::StrCat(flag, "=", *text, " must be positive; e.g. 25GB/s"));
+    *out = *r;
+  }
   if (heartbeat_interval_ms <= 0) return bad("--heartbeat-interval-ms must be > 0");
   if (!(heartbeat_timeout_s > 0) || !(decision_timeout_s > 0) || !(approx_ttl_s > 0)) {
     return bad("--heartbeat-timeout, --decision-timeout and --approx-ttl must be > 0 seconds");
