@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
+#include <future>
 #include <numeric>
 #include <random>
 #include <thread>
@@ -331,12 +333,101 @@ TEST_P(TransportTest, PeerGoneFailsBatchesWithinTheTimeout) {
             absl::StatusCode::kUnavailable);
 }
 
+// A ByteObserver sees each op's local bytes exactly once, in order, whatever the path
+// (one-sided copy, RMA, active messages), and all of them before the batch's callback.
+TEST_P(TransportTest, ObserverSeesEachOpsBytesInOrderBeforeDone) {
+  const uint64_t b0 = 3 * kClientPage - 100, b1 = 5000;
+  const PageRun src0 = Local({7, 2, 11}, b0), src1 = Local({20}, b1);
+  const PageRun dst0 = Remote({50, 3, 60, 61, 62, 9}, b0), dst1 = Remote({100, 101}, b1);
+  for (size_t i = 0; i < client_mem_.size(); ++i) client_mem_[i] = static_cast<std::byte>(i * 131 + 7);
+  auto as_string = [](const std::vector<std::byte>& v) {
+    return std::string(reinterpret_cast<const char*>(v.data()), v.size());
+  };
+  const std::string obj0 = as_string(Gather(*client_arena_, src0));
+  const std::string obj1 = as_string(Gather(*client_arena_, src1));
+
+  auto run = [&](bool put, const PageRun& l0, const PageRun& l1) {
+    std::vector<std::string> seen(2);
+    bool complete_at_done = false;
+    int bad_op = 0;
+    std::promise<absl::Status> p;
+    std::future<absl::Status> f = p.get_future();
+    auto done = [&](absl::Status st) {
+      complete_at_done = seen[0].size() == b0 && seen[1].size() == b1;
+      p.set_value(std::move(st));
+    };
+    auto observe = [&](size_t op, std::span<const std::byte> bytes) {
+      if (op >= seen.size()) {
+        ++bad_op;
+        return;
+      }
+      seen[op].append(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+    };
+    std::vector<TransferOp> ops = {{l0, dst0}, {l1, dst1}};
+    const absl::Status s = put ? ep_->PutAsync(ops, done, observe) : ep_->GetAsync(ops, done, observe);
+    EXPECT_TRUE(s.ok()) << s;
+    if (s.ok()) {
+      EXPECT_TRUE(Await(std::move(f)).ok());
+    }
+    EXPECT_TRUE(complete_at_done);
+    EXPECT_EQ(bad_op, 0);
+    return seen;
+  };
+
+  auto seen = run(/*put=*/true, src0, src1);
+  EXPECT_TRUE(seen[0] == obj0);
+  EXPECT_TRUE(seen[1] == obj1);
+  std::memset(client_mem_.data(), 0, client_mem_.size());
+  const PageRun back0 = Local({30, 31, 32}, b0), back1 = Local({40}, b1);
+  seen = run(/*put=*/false, back0, back1);
+  EXPECT_TRUE(seen[0] == obj0);
+  EXPECT_TRUE(seen[1] == obj1);
+  EXPECT_TRUE(as_string(Gather(*client_arena_, back0)) == obj0);
+  EXPECT_TRUE(as_string(Gather(*client_arena_, back1)) == obj1);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Protocols, TransportTest,
     ::testing::Values(Mode{"ShmAuto", "sm,self", Protocol::kAuto, Protocol::kRma},
                       Mode{"ShmAm", "sm,self", Protocol::kActiveMessage, Protocol::kActiveMessage},
                       Mode{"TcpAuto", "tcp", Protocol::kAuto, Protocol::kActiveMessage}),
     [](const ::testing::TestParamInfo<Mode>& i) { return std::string(i.param.name); });
+
+// With UCX's default (every transport enabled), two workers on one host talk over shared
+// memory, not tcp loopback (PEER error handling would restrict UCX to tcp).
+TEST(SameHostTest, DefaultTransportsUseSharedMemory) {
+  if (std::getenv("UCX_TLS") != nullptr) GTEST_SKIP() << "UCX_TLS is set in the environment";
+  auto oc = Context::Create();
+  ASSERT_TRUE(oc.ok()) << oc.status();
+  auto cc = Context::Create();
+  ASSERT_TRUE(cc.ok()) << cc.status();
+  if (!(*cc)->shared_memory_capable()) GTEST_SKIP() << "no shared-memory transport here";
+  auto ow = Worker::Create(*oc);
+  ASSERT_TRUE(ow.ok()) << ow.status();
+  auto cw = Worker::Create(*cc);
+  ASSERT_TRUE(cw.ok()) << cw.status();
+  auto oa = (*ow)->AllocateArena(16 * 4096, 4096);
+  ASSERT_TRUE(oa.ok()) << oa.status();
+  auto ca = (*cw)->AllocateArena(16 * 4096, 4096);
+  ASSERT_TRUE(ca.ok()) << ca.status();
+  auto ep = (*cw)->Connect((*ow)->address(), "owner");
+  ASSERT_TRUE(ep.ok()) << ep.status();
+  ASSERT_TRUE((*ep)->ImportArena((*oa)->descriptor()).ok());
+  const std::string lanes = (*ep)->Describe();
+  EXPECT_EQ(lanes.find("tcp/"), std::string::npos) << lanes;
+  const bool shm = lanes.find("sysv/") != std::string::npos ||
+                   lanes.find("posix/") != std::string::npos ||
+                   lanes.find("cma/") != std::string::npos;
+  EXPECT_TRUE(shm) << lanes;
+  for (int i = 0; i < 4096; ++i) (*ca)->base()[4096 + i] = static_cast<std::byte>(i * 7 + 1);
+  const TransferOp op{{(*ca)->id(), {1}, 0}, {(*oa)->id(), {5}, 0}};
+  ASSERT_TRUE(Await((*ep)->Put({op})).ok());
+  EXPECT_EQ(std::memcmp((*oa)->base() + 5 * 4096, (*ca)->base() + 4096, 4096), 0);
+  const TransferOp back{{(*ca)->id(), {9}, 0}, {(*oa)->id(), {5}, 0}};
+  ASSERT_TRUE(Await((*ep)->Get({back})).ok());
+  EXPECT_EQ(std::memcmp((*ca)->base() + 9 * 4096, (*ca)->base() + 4096, 4096), 0);
+  ep->reset();
+}
 
 TEST(RemoteArenaTest, SerializeParseRoundTripAndRejectsGarbage) {
   RemoteArena a{.arena_id = 7, .base = 0x7f0000001000, .size = 1 << 20, .page_bytes = 4096,

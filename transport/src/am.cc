@@ -116,14 +116,22 @@ void WorkerImpl::SendOwnerReply(ucp_ep_h reply_ep, unsigned id, uint64_t batch_i
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   p.cb.send = &OwnerSendCb;
   p.user_data = op;
-  if (!op->iov.empty()) {  // UCX asserts on an empty iov: header-only replies are contig
+  // UCX asserts on an empty iov: header-only replies are contig; so is a single piece
+  // (zero-copy rendezvous on tcp, see WorkerImpl::StartAm).
+  const void* payload = nullptr;
+  size_t count = 0;
+  if (op->iov.size() == 1) {
+    payload = op->iov[0].buffer;
+    count = op->iov[0].length;
+  } else if (!op->iov.empty()) {
     p.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
     p.datatype = ucp_dt_make_iov();
+    payload = op->iov.data();
+    count = op->iov.size();
   }
   ++owner_inflight_;
-  ucs_status_ptr_t r = ucp_am_send_nbx(reply_ep, id, &op->header, sizeof(op->header),
-                                       op->iov.empty() ? nullptr : op->iov.data(),
-                                       op->iov.size(), &p);
+  ucs_status_ptr_t r = ucp_am_send_nbx(reply_ep, id, &op->header, sizeof(op->header), payload,
+                                       count, &p);
   if (r == nullptr || UCS_PTR_IS_ERR(r)) {
     const bool served = r == nullptr && !op->refused;
     delete op;
@@ -194,13 +202,18 @@ ucs_status_t WorkerImpl::OnAm(unsigned id, const void* header, size_t header_len
   op->iov = std::move(iov);
   op->hold = std::move(hold);
   ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                   UCP_OP_ATTR_FIELD_DATATYPE;
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   p.cb.recv_am = &OwnerRecvCb;
   p.user_data = op;
-  p.datatype = ucp_dt_make_iov();
   ++owner_inflight_;
-  ucs_status_ptr_t r = ucp_am_recv_data_nbx(worker_, data, op->iov.data(), op->iov.size(), &p);
+  ucs_status_ptr_t r;
+  if (op->iov.size() == 1) {  // contiguous: zero-copy rendezvous where UCX has one
+    r = ucp_am_recv_data_nbx(worker_, data, op->iov[0].buffer, op->iov[0].length, &p);
+  } else {
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+    p.datatype = ucp_dt_make_iov();
+    r = ucp_am_recv_data_nbx(worker_, data, op->iov.data(), op->iov.size(), &p);
+  }
   if (r == nullptr) {
     OwnerPutReceived(op, UCS_OK);
   } else if (UCS_PTR_IS_ERR(r)) {
@@ -250,13 +263,18 @@ ucs_status_t WorkerImpl::OnInitiatorReply(unsigned id, const AmHeader& h, void* 
     return UCS_OK;
   }
   ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                   UCP_OP_ATTR_FIELD_DATATYPE;
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   p.cb.recv_am = &InitiatorRecvCb;
   p.user_data = &b;
-  p.datatype = ucp_dt_make_iov();
-  ucs_status_ptr_t r = ucp_am_recv_data_nbx(worker_, data, const_cast<ucp_dt_iov_t*>(iov.data()),
-                                            iov.size(), &p);
+  ucs_status_ptr_t r;
+  if (iov.size() == 1) {  // contiguous: zero-copy rendezvous where UCX has one
+    r = ucp_am_recv_data_nbx(worker_, data, iov[0].buffer, iov[0].length, &p);
+  } else {
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+    p.datatype = ucp_dt_make_iov();
+    r = ucp_am_recv_data_nbx(worker_, data, const_cast<ucp_dt_iov_t*>(iov.data()), iov.size(),
+                             &p);
+  }
   if (r == nullptr) {
     OnOpDone(&b, UCS_OK);
   } else if (UCS_PTR_IS_ERR(r)) {

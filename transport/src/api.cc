@@ -48,12 +48,14 @@ absl::Status RunExtents(uint64_t page_bytes, uint64_t num_pages, const PageRun& 
 }  // namespace
 
 absl::Status WorkerImpl::Submit(const std::shared_ptr<EndpointImpl>& ep, Direction dir,
-                                std::vector<TransferOp> ops, BatchCallback done) {
+                                std::vector<TransferOp> ops, BatchCallback done,
+                                ByteObserver observe) {
   RETURN_IF_ERROR(ep->health());
   auto b = std::make_unique<Batch>();
   b->dir = dir;
   b->ep = ep;
   b->done = std::move(done);
+  b->observe = std::move(observe);
   b->deadline = absl::Now() + options_.batch_timeout;
   std::vector<Extent> lx, rx;
   for (size_t i = 0; i < ops.size(); ++i) {
@@ -100,10 +102,11 @@ absl::Status WorkerImpl::Submit(const std::shared_ptr<EndpointImpl>& ep, Directi
       Segment* prev = b->segs.empty() ? nullptr : &b->segs.back();
       if (prev != nullptr && prev->local + prev->len == lp &&
           prev->remote_arena == op.remote.arena_id && prev->remote_offset + prev->len == roff &&
-          prev->memh == local->memh_) {
+          prev->memh == local->memh_ && (!b->observe || prev->op == i)) {
         prev->len += n;
       } else {
-        b->segs.push_back({lp, local->memh_, op.remote.arena_id, roff, n});
+        b->segs.push_back({lp, local->memh_, op.remote.arena_id, roff, n,
+                           static_cast<uint32_t>(i)});
       }
       b->bytes += n;
       lo += n;
@@ -182,20 +185,35 @@ absl::Status Endpoint::ImportArena(const RemoteArena& remote) {
     return absl::InvalidArgumentError(
         "remote arena descriptor is incomplete; pass RemoteArena::Parse() of the owner's bytes");
   }
-  absl::MutexLock l(&impl_->mu_);
-  auto& slot = impl_->imported_[remote.arena_id];
-  if (slot.rkey != nullptr) impl_->stale_rkeys_.push_back(slot.rkey);
-  slot.rkey = nullptr;  // unpacked on the progress thread at first use
-  slot.desc = remote;
+  {
+    absl::MutexLock l(&impl_->mu_);
+    auto& slot = impl_->imported_[remote.arena_id];
+    if (slot.rkey != nullptr) impl_->stale_rkeys_.push_back(slot.rkey);
+    slot.rkey = nullptr;
+    slot.desc = remote;
+  }
+  // Shared memory: unpack now rather than in the first batch, which maps the arena and
+  // fills its page tables once (see RkeyFor). A failure here is reported by the first
+  // batch that names the arena. Other transports unpack at first use (an early unpack on
+  // a tcp endpoint still wiring up trips a UCX 1.13 assertion when the peer vanishes).
+  if (!impl_->shm_lanes_) return absl::OkStatus();
+  if (auto w = impl_->worker_.lock()) {
+    w->RunSync([&]() -> absl::Status {
+       uint64_t base = 0;
+       w->RkeyFor(*impl_, remote.arena_id, &base);
+       return absl::OkStatus();
+     }).IgnoreError();
+  }
   return absl::OkStatus();
 }
 
 namespace {
 absl::Status SubmitVia(const std::shared_ptr<EndpointImpl>& ep, Direction dir,
-                       std::vector<TransferOp> ops, BatchCallback done) {
+                       std::vector<TransferOp> ops, BatchCallback done,
+                       ByteObserver observe = nullptr) {
   auto w = ep->worker_.lock();
   if (!w) return absl::UnavailableError("transport worker is gone");
-  return w->Submit(ep, dir, std::move(ops), std::move(done));
+  return w->Submit(ep, dir, std::move(ops), std::move(done), std::move(observe));
 }
 
 std::future<absl::Status> AsFuture(const std::shared_ptr<EndpointImpl>& ep, Direction dir,
@@ -215,6 +233,14 @@ absl::Status Endpoint::PutAsync(std::vector<TransferOp> ops, BatchCallback done)
 }
 absl::Status Endpoint::GetAsync(std::vector<TransferOp> ops, BatchCallback done) {
   return SubmitVia(impl_, Direction::kGet, std::move(ops), std::move(done));
+}
+absl::Status Endpoint::PutAsync(std::vector<TransferOp> ops, BatchCallback done,
+                                ByteObserver observe) {
+  return SubmitVia(impl_, Direction::kPut, std::move(ops), std::move(done), std::move(observe));
+}
+absl::Status Endpoint::GetAsync(std::vector<TransferOp> ops, BatchCallback done,
+                                ByteObserver observe) {
+  return SubmitVia(impl_, Direction::kGet, std::move(ops), std::move(done), std::move(observe));
 }
 std::future<absl::Status> Endpoint::Put(std::vector<TransferOp> ops) {
   return AsFuture(impl_, Direction::kPut, std::move(ops));

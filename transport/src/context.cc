@@ -82,6 +82,9 @@ absl::StatusOr<std::shared_ptr<Context>> Context::Create(ContextOptions options)
                                "ud_mlx5/"}) {
     if (absl::StrContains(info, absl::StrCat("-- ", tl))) context->peer_failure_capable_ = true;
   }
+  for (absl::string_view tl : {"sysv/", "posix/", "cma/", "knem/", "xpmem/"}) {
+    if (absl::StrContains(info, absl::StrCat("-- ", tl))) context->shared_memory_capable_ = true;
+  }
   return context;
 }
 

@@ -34,7 +34,10 @@ namespace kvpool::transport {
 
 // Worker address bytes: our framing around the UCX address (see worker.cc).
 std::string WrapAddress(absl::string_view ucx);
-void UnwrapAddress(absl::string_view in, std::string* ucx, pid_t* same_host_pid);
+// *same_host: the peer runs on this host (and PID namespace), in this process or another;
+// *same_host_pid: its pid when it is another process on this host, else 0.
+void UnwrapAddress(absl::string_view in, std::string* ucx, pid_t* same_host_pid,
+                   bool* same_host);
 
 // ucs_status_t -> absl::Status, once, where UCX hands it to us.
 absl::Status FromUcs(ucs_status_t status, absl::string_view what);
@@ -68,6 +71,9 @@ struct Segment {
   uint32_t remote_arena;
   uint64_t remote_offset;
   uint64_t len;
+  uint32_t op = 0;        // index of the TransferOp (pieces merge across ops only
+                          // when nobody observes the bytes)
+  bool observed = false;  // ByteObserver already saw it (copied one-sided)
 };
 
 enum class Direction : uint8_t { kPut, kGet };
@@ -83,6 +89,7 @@ struct Batch {
   Direction dir = Direction::kPut;
   std::shared_ptr<EndpointImpl> ep;
   BatchCallback done;
+  ByteObserver observe;  // optional
   std::vector<std::shared_ptr<Arena>> hold;  // local arenas stay registered meanwhile
   std::vector<Segment> segs;
   uint64_t bytes = 0;
@@ -99,7 +106,7 @@ struct Batch {
 
 struct ImportedArena {
   RemoteArena desc;
-  ucp_rkey_h rkey = nullptr;  // progress thread only (unpacked lazily there)
+  ucp_rkey_h rkey = nullptr;  // under the worker's ucx_mu_ (unpacked at import or first use)
 };
 
 class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
@@ -113,6 +120,7 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   std::string describe_;
   bool peer_failure_detection_ = true;  // UCP_ERR_HANDLING_MODE_PEER in effect
   pid_t peer_pid_ = 0;                   // same-host peer process, 0 when unknown
+  bool shm_lanes_ = false;               // some lane moves bytes through shared memory
   // True when UCX cannot watch the peer and its (same-host) process has exited.
   bool PeerProcessGone() const;
 
@@ -157,7 +165,8 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   absl::StatusOr<std::shared_ptr<EndpointImpl>> Connect(absl::string_view address,
                                                     absl::string_view name);
   absl::Status Submit(const std::shared_ptr<EndpointImpl>& ep, Direction dir,
-                      std::vector<TransferOp> ops, BatchCallback done);
+                      std::vector<TransferOp> ops, BatchCallback done,
+                      ByteObserver observe = nullptr);
   void CloseEndpoint(std::shared_ptr<EndpointImpl> ep);
 
   // Progress-thread callbacks from UCX.
@@ -166,6 +175,8 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   void OwnerPutReceived(OwnerOp* op, ucs_status_t status);
   std::shared_ptr<Arena> FindArena(uint32_t id);
   void OnEpError(EndpointImpl* ep, ucs_status_t status);
+  // The unpacked rkey of an imported arena (unpacked on first use); holds ucx_mu_.
+  ucp_rkey_h RkeyFor(EndpointImpl& ep, uint32_t arena_id, uint64_t* base);
   ucs_status_t OnAm(unsigned id, const void* header, size_t header_len, void* data,
                     size_t len, const ucp_am_recv_param_t* param);
 
@@ -206,7 +217,6 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   void FailEndpointBatches(EndpointImpl* ep, const absl::Status& s);
   void CheckDeadlines();
   void ReapClosedEndpoints();
-  ucp_rkey_h RkeyFor(EndpointImpl& ep, uint32_t arena_id, uint64_t* base);
   absl::Status ResolveOwnerSegments(const WireSeg* segs, uint32_t n, uint64_t total,
                                     std::vector<ucp_dt_iov_t>* iov,
                                     std::vector<std::shared_ptr<Arena>>* hold);

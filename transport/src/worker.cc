@@ -33,6 +33,11 @@ namespace kvpool::transport {
 namespace {
 
 constexpr uint32_t kMaxSegsPerMsg = 64;
+// Pieces shown to a ByteObserver on the one-sided copy path: small enough to be still
+// in L1/L2 when the observer reads them right after the copy.
+constexpr uint64_t kObservePiece = 16 << 10;
+// Active messages: segments at least this long are sent alone, contiguous (see StartAm).
+constexpr uint64_t kAloneBytes = 64 << 10;
 
 void SendCb(void* request, ucs_status_t status, void* user_data) {
   auto* b = static_cast<Batch*>(user_data);
@@ -75,6 +80,33 @@ bool LanesDoRma(absl::string_view ep_info) {
   return false;
 }
 
+// Makes [p, p+len) resident and mapped writable in this process (page tables filled),
+// so that copies into it take no page faults. Best effort. `fresh`: nobody else uses the
+// memory yet, so on kernels without MADV_POPULATE_WRITE its pages may be touched.
+void Populate(std::byte* p, uint64_t len, bool fresh) {
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14
+#endif
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  auto* start = reinterpret_cast<std::byte*>(reinterpret_cast<uintptr_t>(p) & ~(page - 1));
+  const uint64_t n = (p + len) - start;
+  if (madvise(start, n, MADV_POPULATE_WRITE) == 0) return;
+  if (errno != EINVAL || !fresh) return;  // e.g. ENOMEM: leave it to faults
+  // Older kernels: touch every page (nobody else writes it yet).
+  for (uint64_t off = 0; off < n; off += page) {
+    auto* b = reinterpret_cast<volatile uint8_t*>(start + off);
+    *b = *b;
+  }
+}
+
+// Lanes that move bytes through shared memory on this host.
+bool LanesUseSharedMemory(absl::string_view ep_info) {
+  for (absl::string_view tl : {"sysv/", "posix/", "cma/", "knem/", "xpmem/"}) {
+    if (absl::StrContains(ep_info, tl)) return true;
+  }
+  return false;
+}
+
 // This host and PID namespace, so a peer's pid means something here.
 std::string HostKey() {
   char host[256] = {};
@@ -103,8 +135,10 @@ std::string WrapAddress(absl::string_view ucx) {
   return out;
 }
 
-void UnwrapAddress(absl::string_view in, std::string* ucx, pid_t* same_host_pid) {
+void UnwrapAddress(absl::string_view in, std::string* ucx, pid_t* same_host_pid,
+                   bool* same_host) {
   *same_host_pid = 0;
+  *same_host = false;
   if (in.size() < 10 || in.substr(0, 4) != kAddrMagic) {
     *ucx = std::string(in);  // a bare UCX address
     return;
@@ -117,8 +151,9 @@ void UnwrapAddress(absl::string_view in, std::string* ucx, pid_t* same_host_pid)
     *ucx = std::string(in);
     return;
   }
-  if (in.substr(10, len) == HostKey() && static_cast<pid_t>(pid) != getpid()) {
-    *same_host_pid = static_cast<pid_t>(pid);
+  if (in.substr(10, len) == HostKey()) {
+    *same_host = true;
+    if (static_cast<pid_t>(pid) != getpid()) *same_host_pid = static_cast<pid_t>(pid);
   }
   *ucx = std::string(in.substr(10 + len));
 }
@@ -358,6 +393,9 @@ absl::StatusOr<std::shared_ptr<Arena>> WorkerImpl::Register(std::byte* base, uin
     }
     arena->base_ = static_cast<std::byte*>(attr.address);
     base = arena->base_;
+    // Resident from the start, like registered memory: first-touch page allocation
+    // (zeroing, faults) would otherwise land on the first transfers into each page.
+    Populate(base, size, /*fresh=*/true);
   } else {
     mp.field_mask |= UCP_MEM_MAP_PARAM_FIELD_ADDRESS;
     mp.address = base;
@@ -402,14 +440,21 @@ absl::StatusOr<std::shared_ptr<EndpointImpl>> WorkerImpl::Connect(absl::string_v
   }
   auto ep = std::make_shared<EndpointImpl>(weak_from_this(), std::string(name));
   std::string addr;
-  UnwrapAddress(address, &addr, &ep->peer_pid_);
-  RETURN_IF_ERROR(RunSync([this, ep, addr]() -> absl::Status {
+  bool same_host = false;
+  UnwrapAddress(address, &addr, &ep->peer_pid_, &same_host);
+  RETURN_IF_ERROR(RunSync([this, ep, addr, same_host]() -> absl::Status {
     ucp_ep_params_t p{};
     p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
     p.address = reinterpret_cast<const ucp_address_t*>(addr.data());
-    p.err_mode = context_->peer_failure_capable() ? UCP_ERR_HANDLING_MODE_PEER
-                                                   : UCP_ERR_HANDLING_MODE_NONE;
+    // A peer on this host is reached over shared memory when the context has it. UCX
+    // 1.13 only picks lanes that support the requested error mode, and its shared-memory
+    // transports have no PEER support: asking for PEER would put a same-host peer on
+    // tcp loopback (measured: ~0.4 GB/s instead of a memcpy). The peer's death is then
+    // noticed through its pid (PeerProcessGone) and the batch deadline instead.
+    const bool prefer_shm = same_host && context_->shared_memory_capable();
+    p.err_mode = context_->peer_failure_capable() && !prefer_shm ? UCP_ERR_HANDLING_MODE_PEER
+                                                                 : UCP_ERR_HANDLING_MODE_NONE;
     ep->peer_failure_detection_ = p.err_mode == UCP_ERR_HANDLING_MODE_PEER;
     p.err_handler.cb = &EpErrCb;
     p.err_handler.arg = ep.get();
@@ -429,6 +474,21 @@ absl::StatusOr<std::shared_ptr<EndpointImpl>> WorkerImpl::Connect(absl::string_v
     }
     RETURN_IF_ERROR(FromUcs(st, "ucp_ep_create (is the peer address from Worker::address()?)"));
     ep->describe_ = PrintToString([&](FILE* f) { ucp_ep_print_info(ep->ep_, f); });
+    if (prefer_shm && context_->peer_failure_capable() && !LanesUseSharedMemory(ep->describe_)) {
+      // Same host, yet UCX found no shared-memory lane (e.g. another IPC namespace):
+      // without shared memory, take the transport that watches the peer.
+      ucp_request_param_t cp{};
+      cp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      cp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      void* req = ucp_ep_close_nbx(ep->ep_, &cp);
+      if (req != nullptr && !UCS_PTR_IS_ERR(req)) closing_reqs_.push_back(req);
+      ep->ep_ = nullptr;
+      p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+      RETURN_IF_ERROR(FromUcs(ucp_ep_create(worker_, &p, &ep->ep_), "ucp_ep_create"));
+      ep->peer_failure_detection_ = true;
+      ep->describe_ = PrintToString([&](FILE* f) { ucp_ep_print_info(ep->ep_, f); });
+    }
+    ep->shm_lanes_ = LanesUseSharedMemory(ep->describe_);
     ep->protocol_ = options_.protocol;
     if (ep->protocol_ == Protocol::kAuto) {
       ep->protocol_ = LanesDoRma(ep->describe_) ? Protocol::kRma : Protocol::kActiveMessage;
@@ -521,6 +581,13 @@ ucp_rkey_h WorkerImpl::RkeyFor(EndpointImpl& ep, uint32_t arena_id, uint64_t* ba
       it->second.rkey = nullptr;
       return nullptr;
     }
+    // A same-host arena UCX mapped into this process: fill its page tables once, here,
+    // rather than one fault per 4 KiB page inside the first copies.
+    void* mapped = nullptr;
+    if (ucp_rkey_ptr(it->second.rkey, it->second.desc.base, &mapped) == UCS_OK &&
+        mapped != nullptr) {
+      Populate(static_cast<std::byte*>(mapped), it->second.desc.size, /*fresh=*/false);
+    }
   }
   *base = it->second.desc.base;
   return it->second.rkey;
@@ -565,7 +632,7 @@ void WorkerImpl::StartRma(Batch& b) {
   bool needs_flush = false;
   ucp_rkey_h rkey = nullptr;
   uint64_t rbase = 0;
-  for (const Segment& s : b.segs) {
+  for (Segment& s : b.segs) {
     if (rkey == nullptr || s.remote_arena != cached_id) {
       rkey = RkeyFor(*b.ep, s.remote_arena, &rbase);
       cached_id = s.remote_arena;
@@ -582,11 +649,26 @@ void WorkerImpl::StartRma(Batch& b) {
     // copy is a plain memcpy, complete and visible when it returns.
     void* mapped = nullptr;
     if (ucp_rkey_ptr(rkey, raddr, &mapped) == UCS_OK && mapped != nullptr) {
-      if (b.dir == Direction::kPut) {
-        std::memcpy(mapped, s.local, s.len);
-      } else {
-        std::memcpy(s.local, mapped, s.len);
+      auto* rp = static_cast<std::byte*>(mapped);
+      if (!b.observe) {
+        if (b.dir == Direction::kPut) {
+          std::memcpy(rp, s.local, s.len);
+        } else {
+          std::memcpy(s.local, rp, s.len);
+        }
+        continue;
       }
+      // Copy in cache-sized pieces and show each to the observer while it is hot.
+      for (uint64_t off = 0; off < s.len; off += kObservePiece) {
+        const uint64_t n = std::min(kObservePiece, s.len - off);
+        if (b.dir == Direction::kPut) {
+          std::memcpy(rp + off, s.local + off, n);
+        } else {
+          std::memcpy(s.local + off, rp + off, n);
+        }
+        b.observe(s.op, std::span<const std::byte>(s.local + off, n));
+      }
+      s.observed = true;
       continue;
     }
     needs_flush = true;
@@ -607,12 +689,26 @@ void WorkerImpl::StartRma(Batch& b) {
 }
 
 void WorkerImpl::StartAm(Batch& b) {
-  const size_t nmsg = (b.segs.size() + kMaxSegsPerMsg - 1) / kMaxSegsPerMsg;
+  // Messages: a large segment travels alone, as one contiguous buffer on both sides (the
+  // contiguous-datatype rendezvous ucx_perftest's am_bw baseline uses too, rather than
+  // UCX's generic iov path); small ones are gathered, up to kMaxSegsPerMsg per message,
+  // into an iov.
+  std::vector<std::pair<size_t, size_t>> msgs;  // [first, first + n) of b.segs
+  for (size_t i = 0; i < b.segs.size();) {
+    size_t n = 1;
+    if (b.segs[i].len < kAloneBytes) {
+      while (i + n < b.segs.size() && n < kMaxSegsPerMsg && b.segs[i + n].len < kAloneBytes) {
+        ++n;
+      }
+    }
+    msgs.emplace_back(i, n);
+    i += n;
+  }
+  const size_t nmsg = msgs.size();
   b.headers.resize(nmsg);
   b.iovs.resize(nmsg);
   for (size_t m = 0; m < nmsg; ++m) {
-    const size_t first = m * kMaxSegsPerMsg;
-    const size_t n = std::min<size_t>(kMaxSegsPerMsg, b.segs.size() - first);
+    const auto [first, n] = msgs[m];
     AmHeader h{};
     h.batch_id = b.id;
     h.part = static_cast<uint32_t>(m);
@@ -639,7 +735,10 @@ void WorkerImpl::StartAm(Batch& b) {
     p.flags = UCP_AM_SEND_FLAG_REPLY;
     ++b.outstanding;  // the ack (put) or the response (get)
     ucs_status_ptr_t r;
-    if (b.dir == Direction::kPut) {
+    if (b.dir == Direction::kPut && iov.size() == 1) {
+      r = ucp_am_send_nbx(b.ep->ep_, kAmPut, hdr.data(), hdr.size(), iov[0].buffer,
+                          iov[0].length, &p);
+    } else if (b.dir == Direction::kPut) {
       p.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
       p.datatype = ucp_dt_make_iov();
       r = ucp_am_send_nbx(b.ep->ep_, kAmPut, hdr.data(), hdr.size(), iov.data(), iov.size(), &p);
@@ -681,6 +780,24 @@ void WorkerImpl::Finish(Batch& b, absl::Status s) {
       ++stats_.batches_failed;
     }
   }
+  if (s.ok() && b.observe && b.done) {
+    // Bytes that UCX moved (not copied here): shown to the observer just before `done`,
+    // outside the lock. For a get they have landed; for a put they are the source.
+    std::vector<Segment> rest;
+    for (const Segment& seg : b.segs) {
+      if (!seg.observed) rest.push_back(seg);
+    }
+    if (!rest.empty()) {
+      b.done = [observe = std::move(b.observe), rest = std::move(rest),
+                done = std::move(b.done)](absl::Status st) {
+        for (const Segment& seg : rest) {
+          observe(seg.op, std::span<const std::byte>(seg.local, seg.len));
+        }
+        done(std::move(st));
+      };
+    }
+  }
+  b.observe = nullptr;
   // Delivered by RunCallbacks once ucx_mu_ is released: a callback may submit again.
   if (b.done) ready_.emplace_back(std::move(b.done), std::move(s));
   b.done = nullptr;

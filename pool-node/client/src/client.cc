@@ -2,10 +2,13 @@
 
 #include <grpcpp/grpcpp.h>
 #include <xxhash.h>
+#include <xxh_x86dispatch.h>  // XXH3 with AVX2/AVX-512 chosen at run time
 
 #include <chrono>
+#include <future>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "kvpool/common/status.h"
 #include "kvpool/proto/grpc_status.h"
 #include "kvpool/transport/transport.h"
@@ -19,6 +22,13 @@ struct PoolClient::State {
   std::shared_ptr<transport::Endpoint> ep;
   transport::RemoteArena remote;
   std::string node_id;
+  // ReleaseAsync calls not yet answered; the destructor waits for 0. Shared with the
+  // callbacks, so that the last one never touches freed memory.
+  struct Pending {
+    absl::Mutex mu;
+    int releases ABSL_GUARDED_BY(mu) = 0;
+  };
+  std::shared_ptr<Pending> pending = std::make_shared<Pending>();
 };
 
 namespace {
@@ -29,10 +39,76 @@ int64_t NowMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
              std::chrono::system_clock::now().time_since_epoch()).count();
 }
+
+// One XXH3-64 state per object, fed by the transport's ByteObserver while the bytes
+// are in cache (no second pass over DRAM on the one-sided shared-memory path).
+class Digests {
+ public:
+  explicit Digests(size_t n) : states_(n) {
+    for (XXH3_state_t*& st : states_) {
+      st = XXH3_createState();
+      XXH3_64bits_reset(st);
+    }
+  }
+  ~Digests() {
+    for (XXH3_state_t* st : states_) XXH3_freeState(st);
+  }
+  Digests(const Digests&) = delete;
+  Digests& operator=(const Digests&) = delete;
+  transport::ByteObserver Observer() {
+    return [this](size_t op, std::span<const std::byte> bytes) {
+      XXH3_64bits_update_dispatch(states_[op], bytes.data(), bytes.size());
+    };
+  }
+  uint64_t Value(size_t i) const { return XXH3_64bits_digest(states_[i]); }
+
+ private:
+  std::vector<XXH3_state_t*> states_;
+};
+
+// One transfer batch, waited for. The observer is not called after this returns.
+absl::Status Transfer(transport::Endpoint& ep, bool put, std::vector<transport::TransferOp> ops,
+                      transport::ByteObserver observe) {
+  auto p = std::make_shared<std::promise<absl::Status>>();
+  std::future<absl::Status> f = p->get_future();
+  auto done = [p](absl::Status st) { p->set_value(std::move(st)); };
+  RETURN_IF_ERROR(put ? ep.PutAsync(std::move(ops), std::move(done), std::move(observe))
+                      : ep.GetAsync(std::move(ops), std::move(done), std::move(observe)));
+  return f.get();
+}
+
+// A unary RPC in flight (gRPC callback API); Wait() before destroying it.
+template <typename Req, typename Resp>
+struct Call {
+  grpc::ClientContext ctx;
+  Req req;
+  Resp resp;
+  grpc::Status status;
+  std::promise<void> promise;
+  std::shared_future<void> done = promise.get_future().share();
+  std::function<void(grpc::Status)> Callback() {
+    return [this](grpc::Status s) {
+      status = std::move(s);
+      promise.set_value();
+    };
+  }
+  absl::Status Wait() {
+    done.wait();
+    return FromGrpcStatus(status);
+  }
+};
+using ReserveCall = Call<v1::ReserveRequest, v1::ReserveResponse>;
+using CommitCall = Call<v1::CommitRequest, v1::CommitResponse>;
+
+constexpr size_t kMaxEntriesPerRpc = 4096;  // the node's limit per Reserve / Commit
 }  // namespace
 
 PoolClient::PoolClient() : s_(std::make_unique<State>()) {}
-PoolClient::~PoolClient() = default;
+PoolClient::~PoolClient() {
+  State::Pending& p = *s_->pending;
+  absl::MutexLock l(&p.mu);
+  p.mu.Await(absl::Condition(+[](int* n) { return *n == 0; }, &p.releases));
+}
 
 absl::StatusOr<std::unique_ptr<PoolClient>> PoolClient::Connect(PoolClientOptions options) {
   if (options.worker == nullptr || options.local_arena == nullptr) {
@@ -74,7 +150,7 @@ uint64_t PoolClient::LocalChecksum(std::span<const uint64_t> pages, uint64_t len
   uint64_t left = length;
   for (uint64_t p : pages) {
     const uint64_t n = std::min(left, pb);
-    XXH3_64bits_update(st, s_->opt.local_arena->base() + p * pb, n);
+    XXH3_64bits_update_dispatch(st, s_->opt.local_arena->base() + p * pb, n);
     left -= n;
   }
   const uint64_t sum = XXH3_64bits_digest(st);
@@ -132,10 +208,11 @@ absl::Status PoolClient::Get(const PoolLease& lease, std::span<const std::vector
     op.remote.bytes = o.length;
     ops.push_back(std::move(op));
   }
-  RETURN_IF_ERROR(s_->ep->Get(std::move(ops)).get());
+  Digests digests(dst.size());
+  RETURN_IF_ERROR(Transfer(*s_->ep, /*put=*/false, std::move(ops), digests.Observer()));
   for (size_t i = 0; i < dst.size(); ++i) {
     const RemoteObject& o = lease.objects[i];
-    if (LocalChecksum(dst[i], o.length) != o.checksum) {
+    if (digests.Value(i) != o.checksum) {
       return absl::DataLossError(absl::StrCat("object ", i, " (", o.key.hash.ToHex(),
                                               ") arrived with other bytes than its checksum; its lease ",
                                               lease.lease_id, " may have run out: Lookup again"));
@@ -145,54 +222,120 @@ absl::Status PoolClient::Get(const PoolLease& lease, std::span<const std::vector
 }
 
 absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutItem> items) {
-  v1::ReserveRequest rreq;
-  rreq.set_client_id(s_->opt.client_id);
-  for (const PutItem& it : items) {
-    v1::ReserveEntry* e = rreq.add_entries();
-    e->set_block_hash(it.hash.ToBytes());
-    if (it.parent) e->set_parent_hash(it.parent->ToBytes());
-    e->set_kind(KindToProto(it.kind));
-    e->set_length(it.length);
-  }
-  v1::ReserveResponse rresp;
+  // Pieces of about put_pipeline_bytes: the Reserves of the next pieces are in flight
+  // while piece k is copied, and Commit of piece k (the node checksums it) while piece
+  // k+1 is copied.
+  std::vector<std::pair<size_t, size_t>> pieces;  // [begin, end) of items
   {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(s_->opt.rpc_timeout_ms));
-    RETURN_IF_ERROR(FromGrpcStatus(s_->stub->Reserve(&ctx, rreq, &rresp)));
+    size_t begin = 0;
+    uint64_t bytes = 0;
+    for (size_t i = 0; i < items.size(); ++i) {
+      bytes += items[i].length;
+      if (bytes >= s_->opt.put_pipeline_bytes || i + 1 - begin == kMaxEntriesPerRpc ||
+          i + 1 == items.size()) {
+        pieces.emplace_back(begin, i + 1);
+        begin = i + 1;
+        bytes = 0;
+      }
+    }
+    if (pieces.empty()) pieces.emplace_back(0, 0);  // the node names what is wrong
   }
-  std::vector<transport::TransferOp> ops;
-  v1::CommitRequest creq;
-  creq.set_reservation_id(rresp.reservation_id());
+  const auto deadline = [&] {
+    return std::chrono::system_clock::now() + std::chrono::milliseconds(s_->opt.rpc_timeout_ms);
+  };
+  std::vector<std::unique_ptr<ReserveCall>> reserves(pieces.size());
+  std::vector<std::unique_ptr<CommitCall>> commits(pieces.size());
+  std::vector<std::vector<int>> commit_index(pieces.size());
+  auto start_reserve = [&](size_t k) {
+    auto c = std::make_unique<ReserveCall>();
+    c->req.set_client_id(s_->opt.client_id);
+    for (size_t i = pieces[k].first; i < pieces[k].second; ++i) {
+      const PutItem& it = items[i];
+      v1::ReserveEntry* e = c->req.add_entries();
+      e->set_block_hash(it.hash.ToBytes());
+      if (it.parent) e->set_parent_hash(it.parent->ToBytes());
+      e->set_kind(KindToProto(it.kind));
+      e->set_length(it.length);
+    }
+    c->ctx.set_deadline(deadline());
+    s_->stub->async()->Reserve(&c->ctx, &c->req, &c->resp, c->Callback());
+    reserves[k] = std::move(c);
+  };
+
+  absl::Status err;
+  constexpr size_t kReserveAhead = 2;  // Reserve RPCs in flight ahead of the copies
+  size_t reserved = 0;
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    while (reserved < pieces.size() && reserved <= k + kReserveAhead) start_reserve(reserved++);
+    err = reserves[k]->Wait();
+    if (!err.ok()) break;
+    const v1::ReserveResponse& rresp = reserves[k]->resp;
+    const size_t first = pieces[k].first, n = pieces[k].second - first;
+    if (static_cast<size_t>(rresp.results_size()) != n) {
+      err = absl::InternalError(absl::StrCat("node answered ", rresp.results_size(),
+                                             " reserve results for ", n, " entries"));
+      break;
+    }
+    std::vector<transport::TransferOp> ops;
+    std::vector<size_t> op_item;
+    for (size_t j = 0; j < n; ++j) {
+      const v1::ReserveResult& r = rresp.results(static_cast<int>(j));
+      if (r.already_present()) continue;
+      const PutItem& it = items[first + j];
+      transport::TransferOp op;
+      op.local = transport::PageRun{s_->opt.local_arena->id(), it.local_pages, it.length};
+      op.remote.arena_id = s_->remote.arena_id;
+      op.remote.pages.assign(r.run().pages().begin(), r.run().pages().end());
+      op.remote.bytes = it.length;
+      ops.push_back(std::move(op));
+      op_item.push_back(first + j);
+    }
+    // The checksums are taken from the bytes as they are copied (still in cache).
+    // On a failed transfer the reservation is simply not committed; the node reclaims it.
+    // All present: nothing moves, and an empty Commit ends the reservation at once.
+    Digests digests(ops.size());
+    if (!ops.empty()) {
+      err = Transfer(*s_->ep, /*put=*/true, std::move(ops), digests.Observer());
+      if (!err.ok()) break;
+    }
+    auto c = std::make_unique<CommitCall>();
+    c->req.set_reservation_id(rresp.reservation_id());
+    commit_index[k].assign(n, -1);
+    for (size_t o = 0; o < op_item.size(); ++o) {
+      v1::CommitEntry* ce = c->req.add_entries();
+      ce->set_block_hash(items[op_item[o]].hash.ToBytes());
+      ce->set_checksum(digests.Value(o));
+      commit_index[k][op_item[o] - first] = static_cast<int>(o);
+    }
+    c->ctx.set_deadline(deadline());
+    s_->stub->async()->Commit(&c->ctx, &c->req, &c->resp, c->Callback());
+    commits[k] = std::move(c);
+  }
+  // Every RPC started is waited for (they point into this frame).
+  for (auto& r : reserves) {
+    if (r) r->Wait().IgnoreError();
+  }
   std::vector<absl::Status> out(items.size());
-  std::vector<int> commit_index(items.size(), -1);
-  for (size_t i = 0; i < items.size(); ++i) {
-    const v1::ReserveResult& r = rresp.results(static_cast<int>(i));
-    if (r.already_present()) continue;
-    transport::TransferOp op;
-    op.local = transport::PageRun{s_->opt.local_arena->id(), items[i].local_pages, items[i].length};
-    op.remote.arena_id = s_->remote.arena_id;
-    op.remote.pages.assign(r.run().pages().begin(), r.run().pages().end());
-    op.remote.bytes = items[i].length;
-    ops.push_back(std::move(op));
-    v1::CommitEntry* ce = creq.add_entries();
-    ce->set_block_hash(items[i].hash.ToBytes());
-    ce->set_checksum(LocalChecksum(items[i].local_pages, items[i].length));
-    commit_index[i] = creq.entries_size() - 1;
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    if (!commits[k]) continue;
+    absl::Status cs = commits[k]->Wait();
+    if (!cs.ok()) {
+      if (err.ok()) err = cs;
+      continue;
+    }
+    const v1::CommitResponse& cresp = commits[k]->resp;
+    for (size_t j = 0; j < commit_index[k].size(); ++j) {
+      const int ci = commit_index[k][j];
+      if (ci < 0) continue;
+      if (ci >= cresp.results_size()) {
+        if (err.ok()) err = absl::InternalError("node answered fewer commit results than entries");
+        break;
+      }
+      const v1::CommitResult& r = cresp.results(ci);
+      out[pieces[k].first + j] = absl::Status(static_cast<absl::StatusCode>(r.code()), r.message());
+    }
   }
-  if (ops.empty()) return out;
-  // On a failed transfer the reservation is simply not committed; the node reclaims it.
-  RETURN_IF_ERROR(s_->ep->Put(std::move(ops)).get());
-  v1::CommitResponse cresp;
-  {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(s_->opt.rpc_timeout_ms));
-    RETURN_IF_ERROR(FromGrpcStatus(s_->stub->Commit(&ctx, creq, &cresp)));
-  }
-  for (size_t i = 0; i < items.size(); ++i) {
-    if (commit_index[i] < 0) continue;
-    const v1::CommitResult& r = cresp.results(commit_index[i]);
-    out[i] = absl::Status(static_cast<absl::StatusCode>(r.code()), r.message());
-  }
+  if (!err.ok()) return err;
   return out;
 }
 
@@ -203,6 +346,23 @@ absl::Status PoolClient::Release(uint64_t lease_id) {
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(s_->opt.rpc_timeout_ms));
   return FromGrpcStatus(s_->stub->Release(&ctx, req, &resp));
+}
+
+void PoolClient::ReleaseAsync(uint64_t lease_id) {
+  auto* c = new Call<v1::ReleaseRequest, v1::ReleaseResponse>();
+  c->req.set_lease_id(lease_id);
+  c->ctx.set_deadline(std::chrono::system_clock::now() +
+                      std::chrono::milliseconds(s_->opt.rpc_timeout_ms));
+  {
+    absl::MutexLock l(&s_->pending->mu);
+    ++s_->pending->releases;
+  }
+  s_->stub->async()->Release(&c->ctx, &c->req, &c->resp,
+                             [c, pending = s_->pending](grpc::Status) {
+                               delete c;  // errors dropped: the lease expires on its own
+                               absl::MutexLock l(&pending->mu);
+                               --pending->releases;
+                             });
 }
 
 absl::StatusOr<v1::PoolStats> PoolClient::GetStats() {

@@ -149,7 +149,7 @@ void PoolTier::Release(PoolLookup& lookup) {
       if (l.objects.empty() || nodes_[node].client == nullptr) continue;
       bool mine = false;
       for (const auto& f : lookup.found) mine = mine || (f && f->node == node && f->object.key == l.objects.front().key);
-      if (mine) nodes_[node].client->Release(l.lease_id).IgnoreError();  // leases also expire
+      if (mine) nodes_[node].client->ReleaseAsync(l.lease_id);  // off the engine thread; leases also expire
     }
   }
   lookup.leases.clear();

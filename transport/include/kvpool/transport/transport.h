@@ -101,11 +101,15 @@ class Context {
   // Whether some enabled transport supports UCX peer-failure handling (tcp, verbs).
   // UCX 1.13's shared-memory transports do not: see Endpoint::peer_failure_detection.
   bool peer_failure_capable() const { return peer_failure_capable_; }
+  // Whether some enabled transport moves bytes through shared memory on one host
+  // (sysv, posix, cma, knem, xpmem): same-host peers then connect over it.
+  bool shared_memory_capable() const { return shared_memory_capable_; }
 
  private:
   explicit Context(void* handle) : handle_(handle) {}
   void* handle_;  // ucp_context_h
   bool peer_failure_capable_ = false;
+  bool shared_memory_capable_ = false;
 };
 
 // ---------------------------------------------------------------------------------------
@@ -147,6 +151,17 @@ struct TransferOp {
 // it short (it delays other completions) and do not take a lock the submitter holds
 // around PutAsync/GetAsync.
 using BatchCallback = std::function<void(absl::Status)>;
+
+// Optional: sees the local bytes of each op of a batch (for Put the source, for Get the
+// destination once they arrived), as consecutive pieces in order, while they are still
+// in cache: right after each piece is copied (one-sided shared memory), else once the
+// batch has completed, just before `done`. Lets a caller checksum what it moved without
+// a second pass over DRAM. Called on one thread at a time per batch: on the one-sided
+// copy path inside PutAsync/GetAsync on the submitting thread, with the worker's lock
+// held (so it must not call into the transport; keep it to reading the bytes), else on
+// the thread that runs `done`, right before it. If the batch fails, `done` gets the
+// error and what was observed means nothing.
+using ByteObserver = std::function<void(size_t op, std::span<const std::byte> bytes)>;
 
 enum class Protocol : uint8_t {
   kAuto,           // RMA when the endpoint's lanes can do zero-copy RMA, else AM
@@ -281,6 +296,9 @@ class Endpoint {
   // byte has landed (for Put: visible in the remote arena), or the batch's error.
   absl::Status PutAsync(std::vector<TransferOp> ops, BatchCallback done);
   absl::Status GetAsync(std::vector<TransferOp> ops, BatchCallback done);
+  // The same, with `observe` shown every op's bytes (see ByteObserver).
+  absl::Status PutAsync(std::vector<TransferOp> ops, BatchCallback done, ByteObserver observe);
+  absl::Status GetAsync(std::vector<TransferOp> ops, BatchCallback done, ByteObserver observe);
   // Future forms: a refused batch yields its refusal as the future's value.
   std::future<absl::Status> Put(std::vector<TransferOp> ops);
   std::future<absl::Status> Get(std::vector<TransferOp> ops);

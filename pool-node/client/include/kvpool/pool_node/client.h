@@ -5,7 +5,14 @@
 //   Lookup    longest present prefix of a chain, with descriptors under one lease
 //   Get       copies leased objects into local arena pages (one UCX batch), checks checksums
 //   Put       Reserve -> UCX put of local pages -> Commit with XXH3 checksums
-//   Release   ends a lease early (leases also expire on their own)
+//   Release   ends a lease early (leases also expire on their own); ReleaseAsync: the
+//             same without waiting for the node
+//
+// Speed: pass a whole request's blocks to one Put / Lookup / Get (one RPC each for all of
+// them). On one host the node's DRAM arena is mapped into this process and put/get are
+// copies by this thread, checksummed piece by piece while the bytes are in cache; a large
+// Put is cut into pieces of put_pipeline_bytes whose Reserve and Commit RPCs overlap the
+// copies of the next piece (the node verifies one piece while this thread copies the next).
 //
 // Example:
 //   ASSIGN_OR_RETURN(auto kv, worker->RegisterArena(memory, 65536));
@@ -52,6 +59,10 @@ struct PoolClientOptions {
   transport::Worker* worker = nullptr;            // caller's UCX worker; outlives the client
   std::shared_ptr<transport::Arena> local_arena;  // registered with `worker`
   int rpc_timeout_ms = 10'000;
+  // Put: bytes per pipelined piece (Reserve / transfer / Commit). Items of one piece are
+  // reserved together; a Put larger than this is several reservations (a piece that
+  // fails leaves earlier pieces stored: a retry finds them already present).
+  uint64_t put_pipeline_bytes = 8 << 20;
 };
 
 // An object found by Lookup: where its bytes sit in the node's arena.
@@ -95,6 +106,9 @@ class PoolClient {
   // node saw other bytes than the checksum says). RESOURCE_EXHAUSTED etc. for the call.
   absl::StatusOr<std::vector<absl::Status>> Put(std::span<const PutItem> items);
   absl::Status Release(uint64_t lease_id);
+  // Release without waiting for the answer (errors are dropped: leases expire anyway).
+  // The client waits for outstanding releases when destroyed.
+  void ReleaseAsync(uint64_t lease_id);
   absl::StatusOr<v1::PoolStats> GetStats();
 
   const std::string& node_id() const;
