@@ -38,8 +38,7 @@ struct SoftmaxRows {
 inline void SoftmaxTile(const SimdOps& ops, const SoftmaxRows& st, int T, float* s) {
   for (int r = 0; r < st.R; ++r) {
     float* sr = s + r * kTile;
-    float mx = kNegInf;
-    for (int t = 0; t < T; ++t) mx = std::max(mx, sr[t]);
+    const float mx = ops.max_of(sr, T);
     if (mx == kNegInf) {  // every token masked for this row: contributes nothing
       std::fill(sr, sr + T, 0.f);
       continue;
@@ -48,10 +47,7 @@ inline void SoftmaxTile(const SimdOps& ops, const SoftmaxRows& st, int T, float*
     // exp(-inf - m_new) would be exp(-inf) = 0 as wanted, but -inf - -inf is NaN:
     // the first tile of a row has nothing to rescale.
     const float c = st.m[r] == kNegInf ? 0.f : std::exp(st.m[r] - m_new);
-    for (int t = 0; t < T; ++t) sr[t] -= m_new;
-    ops.exp_nonpos(sr, T);
-    float sum = 0.f;
-    for (int t = 0; t < T; ++t) sum += sr[t];
+    const float sum = ops.exp_sub_sum(sr, T, m_new);
     st.l[r] = st.l[r] * c + sum;
     if (c != 1.f) ops.scal(c, st.acc + int64_t{r} * st.dv, st.dv);
     st.m[r] = m_new;

@@ -8,8 +8,13 @@
 // Memory: the loops software-prefetch a fixed distance ahead, kSub tokens between two
 // score sub-blocks (pages are scattered, so hardware prefetchers restart at every
 // page).
+// bf16 with dimensions % 16 == 0 uses the paired kernels (SimdOps::score_bf16p /
+// accum_bf16p) where the ISA has them: q is permuted once per split, accumulators stay
+// permuted until the split ends. Every score/accumulator element is summed in the same
+// order however tokens are grouped, so results depend only on the sequence.
 // Prefill items are (sequence, kv head, block of queries) with causal masks per row.
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -76,19 +81,25 @@ inline void PrefetchLine(const char* p) {
 inline void PrefetchSlots(const SlotMap& map, int p0, int p1, const void* base, size_t row_bytes,
                           size_t at, size_t bytes) {
   for (int pos = p0; pos < p1; ++pos) {
-    const char* p = static_cast<const char*>(base) + map(pos) * row_bytes + at;
-    for (size_t b = 0; b < bytes; b += 64) PrefetchLine(p + b);
-    PrefetchLine(p + bytes - 1);  // a row not 64-byte aligned spans one more line
+    // Every line of [p, p + bytes) once (a row not 64-byte aligned spans one more).
+    const uintptr_t p = reinterpret_cast<uintptr_t>(base) + map(pos) * row_bytes + at;
+    const uintptr_t last = (p + bytes - 1) & ~uintptr_t{63};
+    for (uintptr_t line = p & ~uintptr_t{63}; line <= last; line += 64) {
+      PrefetchLine(reinterpret_cast<const char*>(line));
+    }
   }
 }
 
-// Decode sub-blocks: tokens scored between two prefetch batches (a multiple of 4).
-constexpr int kSub = 16;
+// Decode sub-blocks: tokens scored between two prefetch batches (a multiple of 4, so
+// the generic-layout score kernels group tokens as over the whole tile). Small batches
+// of prefetches (4 tokens: 8-16 lines per stream) measured better than 16 tokens at
+// 8 KiB ahead on the shared 2-vCPU dev VM (noisy; see README).
+constexpr int kSub = 4;
 // GQA decode prefetches about this many bytes of K and of V ahead (tiny-gqa, 128-byte
-// head rows: 64 tokens; 256-byte rows: 32 tokens).
-constexpr size_t kPrefetchBytes = 8192;
-// MLA decode prefetch distance in tokens: one sub-block (18 KiB of bf16 entries), far
-// more than the memory latency at >= 500 cycles of FMAs per entry.
+// head rows: 32 tokens; 256-byte rows: 16 tokens, one page of 16).
+constexpr size_t kPrefetchBytes = 4096;
+// MLA decode prefetch distance in tokens (18 KiB of bf16 entries), far more than the
+// memory latency at >= 500 cycles of FMAs per entry.
 constexpr int kMlaAhead = 16;
 
 // Merges the splits of each sequence into out[b][R][dv].
@@ -111,6 +122,63 @@ void MergeSplits(const CpuContext& cx, const std::vector<int>& first, int batch,
   });
 }
 
+
+// The bf16 fast path (SimdOps::score_bf16p / accum_bf16p) where the ISA has one and
+// every dimension is a multiple of 16; q rows and accumulators are then paired.
+// KVPOOL_KERNELS_BF16_PAIRED=0 turns it off (A/B measurements).
+bool PairedAllowed() {
+  static const bool allowed = [] {
+    const char* v = std::getenv("KVPOOL_KERNELS_BF16_PAIRED");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return allowed;
+}
+
+inline bool UsePaired(const SimdOps& ops, Elem elem, int dim, int dv) {
+  return PairedAllowed() && elem == Elem::kBf16 && dim % 16 == 0 && dv % 16 == 0 &&
+         ops.score_bf16p != nullptr && ops.accum_bf16p != nullptr;
+}
+
+// Scores of one sub-block: `q` natural rows or `qp` paired rows (paired path).
+inline void ScoreRows(const SimdOps& ops, bool paired, const float* q, const float* qp, int R,
+                      int dim, const void* const* rows, Elem elem, int T, float scale, float* s) {
+  if (paired) {
+    ops.score_bf16p(qp, R, dim, rows, T, scale, s, kTile);
+  } else {
+    ops.score(q, R, dim, rows, elem, T, scale, s, kTile);
+  }
+}
+
+// FoldTile, with paired accumulators on the paired path.
+inline void FoldTileAny(const SimdOps& ops, bool paired, const SoftmaxRows& st, int T, float* s,
+                        const void* const* vrows, Elem elem) {
+  if (paired) {
+    SoftmaxTile(ops, st, T, s);
+    ops.accum_bf16p(s, st.R, kTile, vrows, T, st.dv, st.acc);
+  } else {
+    FoldTile(ops, st, T, s, vrows, elem);
+  }
+}
+
+// Back to natural order: the R accumulator rows of a split on the paired path.
+inline void UnpairRows(const SimdOps& ops, float* acc, int R, int dv, std::vector<float>* tmp) {
+  tmp->resize(dv);
+  for (int r = 0; r < R; ++r) {
+    float* a = acc + int64_t{r} * dv;
+    std::copy(a, a + dv, tmp->data());
+    ops.unpair16(tmp->data(), a, dv);
+  }
+}
+
+// Per-thread scratch reused across calls (pool threads live as long as the backend).
+struct Scratch {
+  std::vector<float> qp, s, tmp;
+};
+Scratch& ThreadScratch() {
+  thread_local Scratch scratch;
+  return scratch;
+}
+
 }  // namespace
 
 void CpuGqaDecode(const CpuContext& cx, const GqaDecodeParams& p) {
@@ -123,19 +191,22 @@ void CpuGqaDecode(const CpuContext& cx, const GqaDecodeParams& p) {
   const std::vector<Split> splits = MakeSplits(p.table, kGqaSplitTokens, &first);
   std::vector<float> ws_m(splits.size() * Hq), ws_l(splits.size() * Hq),
       ws_acc(splits.size() * Hq * d);
+  const bool paired = UsePaired(*cx.ops, elem, d, d);
   cx.pool->ParallelFor(static_cast<int64_t>(splits.size()), [&](int64_t si) {
     const Split& sp = splits[si];
     const int32_t* row = p.table.block_table + int64_t{sp.b} * p.table.max_blocks;
     const float* q = p.q + int64_t{sp.b} * Hq * d;
     const SoftmaxRows all{Hq, d, &ws_m[si * Hq], &ws_l[si * Hq], &ws_acc[si * Hq * d]};
     all.Reset();
-    alignas(64) float s[kTile * 16];
-    std::vector<float> s_big;  // groups of more than 16 heads
-    float* sbuf = s;
-    if (G > 16) {
-      s_big.resize(static_cast<size_t>(kTile) * G);
-      sbuf = s_big.data();
+    Scratch& scr = ThreadScratch();
+    const float* qp = nullptr;
+    if (paired) {
+      scr.qp.resize(static_cast<size_t>(Hq) * d);
+      cx.ops->pair16(q, scr.qp.data(), Hq * d);  // rows of d, d % 16 == 0
+      qp = scr.qp.data();
     }
+    scr.s.resize(static_cast<size_t>(kTile) * std::max(G, 16));
+    float* sbuf = scr.s.data();
     const SlotMap map(row, kv.page_size);
     const size_t row_bytes = static_cast<size_t>(token_stride) * esz, head_bytes = d * esz;
     // Prefetch distance: about kPrefetchBytes of each of K and V ahead (so the current
@@ -154,8 +225,8 @@ void CpuGqaDecode(const CpuContext& cx, const GqaDecodeParams& p) {
         }
         const SoftmaxRows st{G, d, all.m + h * G, all.l + h * G, all.acc + int64_t{h} * G * d};
         // Scores in sub-blocks of kSub tokens; between them, prefetch this head's K and
-        // V rows `ahead` tokens ahead (sub-blocks are a multiple of 4 tokens, so the
-        // score kernels group tokens exactly as over the whole tile).
+        // V rows `ahead` tokens ahead (the score kernels give every score the same bits
+        // however its tokens are grouped).
         for (int u = 0; u < T; u += kSub) {
           const int n = std::min(kSub, T - u);
           const int pf0 = t0 + ahead + u, pf1 = std::min(sp.t1, pf0 + kSub);
@@ -163,11 +234,13 @@ void CpuGqaDecode(const CpuContext& cx, const GqaDecodeParams& p) {
             PrefetchSlots(map, pf0, pf1, kv.k, row_bytes, h * head_bytes, head_bytes);
             PrefetchSlots(map, pf0, pf1, kv.v, row_bytes, h * head_bytes, head_bytes);
           }
-          cx.ops->score(q + int64_t{h} * G * d, G, d, krows + u, elem, n, p.scale, sbuf + u, kTile);
+          ScoreRows(*cx.ops, paired, q + int64_t{h} * G * d, paired ? qp + int64_t{h} * G * d : nullptr,
+                    G, d, krows + u, elem, n, p.scale, sbuf + u);
         }
-        FoldTile(*cx.ops, st, T, sbuf, vrows, elem);
+        FoldTileAny(*cx.ops, paired, st, T, sbuf, vrows, elem);
       }
     }
+    if (paired) UnpairRows(*cx.ops, all.acc, Hq, d, &scr.tmp);
   });
   MergeSplits(cx, first, p.table.batch, Hq, d, ws_m, ws_l, ws_acc, p.out);
 }
@@ -181,15 +254,24 @@ void CpuMlaDecodeAbsorbed(const CpuContext& cx, const MlaDecodeParams& p) {
   const std::vector<Split> splits = MakeSplits(p.table, kMlaSplitTokens, &first);
   std::vector<float> ws_m(splits.size() * H), ws_l(splits.size() * H),
       ws_acc(splits.size() * H * rank);
+  const bool paired = UsePaired(*cx.ops, elem, entry, rank);
   cx.pool->ParallelFor(static_cast<int64_t>(splits.size()), [&](int64_t si) {
     const Split& sp = splits[si];
     const int32_t* row = p.table.block_table + int64_t{sp.b} * p.table.max_blocks;
     const SoftmaxRows st{H, rank, &ws_m[si * H], &ws_l[si * H], &ws_acc[si * H * rank]};
     st.Reset();
-    std::vector<float> s(static_cast<size_t>(kTile) * H);
+    Scratch& scr = ThreadScratch();
+    scr.s.resize(static_cast<size_t>(kTile) * H);
+    float* s = scr.s.data();
     const SlotMap map(row, kv.page_size);
     const size_t row_bytes = static_cast<size_t>(entry) * esz;
     const float* q = p.q + int64_t{sp.b} * H * entry;
+    const float* qp = nullptr;
+    if (paired) {
+      scr.qp.resize(static_cast<size_t>(H) * entry);
+      cx.ops->pair16(q, scr.qp.data(), H * entry);  // rows of 576 = 36 x 16
+      qp = scr.qp.data();
+    }
     const void* rows[kTile];
     for (int t0 = sp.t0; t0 < sp.t1; t0 += kTile) {
       const int T = std::min(kTile, sp.t1 - t0);
@@ -199,10 +281,12 @@ void CpuMlaDecodeAbsorbed(const CpuContext& cx, const MlaDecodeParams& p) {
         const int n = std::min(kSub, T - u);
         const int pf0 = t0 + u + kMlaAhead, pf1 = std::min(sp.t1, pf0 + kSub);
         if (pf0 < pf1) PrefetchSlots(map, pf0, pf1, kv.entries, row_bytes, 0, row_bytes);
-        cx.ops->score(q, H, entry, rows + u, elem, n, p.scale, s.data() + u, kTile);
+        ScoreRows(*cx.ops, paired, q, qp, H, entry, rows + u, elem, n, p.scale, s + u);
       }
-      FoldTile(*cx.ops, st, T, s.data(), rows, elem);  // V = the first 512 of each entry
+      // V = the first 512 of each entry; paired blocks of the latent are the entry's.
+      FoldTileAny(*cx.ops, paired, st, T, s, rows, elem);
     }
+    if (paired) UnpairRows(*cx.ops, st.acc, H, rank, &scr.tmp);
   });
   MergeSplits(cx, first, p.table.batch, H, rank, ws_m, ws_l, ws_acc, p.out);
 }

@@ -28,6 +28,10 @@ struct SimdOps {
                 int dv, float* acc);
   // x[i] = exp(x[i]) for x <= 0; x < -87 (and -inf) gives exactly 0.
   void (*exp_nonpos)(float* x, int n);
+  // max_i x[i] (-inf for n == 0; x holds no NaN).
+  float (*max_of)(const float* x, int n);
+  // x[i] = exp(x[i] - m) for x[i] <= m (as exp_nonpos of x[i] - m); returns sum_i x[i].
+  float (*exp_sub_sum)(float* x, int n, float m);
   // y[i] += a * x[i].
   void (*axpy)(float a, const float* x, float* y, int n);
   // y[i] *= a.
@@ -39,6 +43,23 @@ struct SimdOps {
   // S: [dk][dv] in place; u: [dv] scratch.
   void (*kda_step)(float* S, int dk, int dv, const float* q, const float* k, const float* v,
                    const float* alpha, float beta, float scale, float* out, float* u);
+
+  // bf16 decode fast path (nullptr where the ISA has none; callers then use score /
+  // accum). It works in the "paired" layout: a vector is cut into blocks of 16
+  // elements and each block is stored as its 8 even then its 8 odd elements, which is
+  // how one 32-byte load of 16 bf16 widens to two fp32 vectors with a shift and a mask
+  // (no shuffles). q rows and accumulators are kept paired; bf16 rows are read as
+  // stored. Dimensions must be multiples of 16.
+  // y = paired(x) / y = natural(x), n % 16 == 0, x != y.
+  void (*pair16)(const float* x, float* y, int n);
+  void (*unpair16)(const float* x, float* y, int n);
+  // As score with bf16 rows and paired q rows (qp[r*dim ...]). Each score's sum runs in
+  // the same order however rows and tokens are grouped (bitwise the same for any T).
+  void (*score_bf16p)(const float* qp, int R, int dim, const void* const* rows, int T,
+                      float scale, float* s, int ld);
+  // As accum with bf16 rows and paired accumulators accp[r*dv ...].
+  void (*accum_bf16p)(const float* p, int R, int ld, const void* const* rows, int T, int dv,
+                      float* accp);
 };
 
 const SimdOps& GenericOps();

@@ -43,6 +43,20 @@ void ExpNonpos(float* x, int n) {
   for (int i = 0; i < n; ++i) x[i] = x[i] < -87.f ? 0.f : std::exp(x[i]);
 }
 
+float MaxOf(const float* x, int n) {
+  float m = -INFINITY;
+  for (int i = 0; i < n; ++i) m = x[i] > m ? x[i] : m;
+  return m;
+}
+
+float ExpSubSum(float* x, int n, float m) {
+  for (int i = 0; i < n; ++i) x[i] -= m;
+  ExpNonpos(x, n);
+  float sum = 0.f;
+  for (int i = 0; i < n; ++i) sum += x[i];
+  return sum;
+}
+
 void Axpy(float a, const float* x, float* y, int n) {
   for (int i = 0; i < n; ++i) y[i] += a * x[i];
 }
@@ -73,7 +87,9 @@ void KdaStep(float* S, int dk, int dv, const float* q, const float* k, const flo
   for (int j = 0; j < dv; ++j) out[j] *= scale;
 }
 
-const SimdOps kGeneric = {"generic", Score, Accum, ExpNonpos, Axpy, Scal, Dot, KdaStep};
+const SimdOps kGeneric = {"generic", Score,   Accum,   ExpNonpos, MaxOf,   ExpSubSum,
+                          Axpy,      Scal,    Dot,     KdaStep,   nullptr, nullptr,
+                          nullptr,   nullptr};
 
 }  // namespace
 

@@ -130,6 +130,24 @@ TEST_P(GqaTest, DecodeWideGroupIsBitwiseReproducibleAcrossThreads) {
   }
 }
 
+// The determinism contract the worker relies on (kernels/README.md): a sequence's result
+// does not depend on the batch it is in (nor on where its pages lie). Sequence 0 has the
+// same K/V and q in both runs (the test data of sequence b depends only on the seed and
+// b); bf16 with d = 64 / 128 exercises the paired bf16 fast path where the ISA has one.
+TEST_P(GqaTest, DecodeOfASequenceIsIndependentOfItsBatch) {
+  for (GqaShape s : {GqaShape{64, 4, 2}, GqaShape{128, 8, 1}, GqaShape{128, 9, 3}}) {
+    double w1 = 0, w2 = 0;
+    const auto alone = RunDecode(be_.get(), DType::kBf16, 16, s, {2100}, 21, &w1);
+    const auto batched = RunDecode(be_.get(), DType::kBf16, 16, s, {2100, 5, 1500, 0}, 21, &w2);
+    EXPECT_LE(w1, 1.0);
+    EXPECT_LE(w2, 1.0);
+    const size_t n = static_cast<size_t>(s.num_q) * s.head_dim;
+    ASSERT_GE(batched.size(), n);
+    EXPECT_EQ(std::memcmp(alone.data(), batched.data(), n * sizeof(float)), 0)
+        << "d=" << s.head_dim << " q=" << s.num_q << " kv=" << s.num_kv;
+  }
+}
+
 // Prefill: sequences of (cached prefix, new tokens); the new tokens' K/V are the last
 // q_len entries of each sequence.
 void CheckPrefill(KernelBackend* be, DType dt, int page, GqaShape s,

@@ -10,13 +10,36 @@
 #include <cstring>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "kernel_test.h"
+#include "kvpool/common/status.h"
 #include "test_util.h"
 
 namespace kvpool::kernels::testing {
 namespace {
 
 constexpr int kRank = 512, kRope = 64, kEntry = 576;
+const float kScale = 1.f / std::sqrt(192.f);  // DeepSeek's nope + rope dims
+
+// Absorbed decode of queries `q` (H heads per sequence) over the paged store `c`;
+// the output, or the launcher's error.
+absl::StatusOr<std::vector<float>> RunAbsorbed(KernelBackend* be, const PagedStore& c, DType dt,
+                                              const std::vector<float>& q, int H) {
+  const int batch = static_cast<int>(c.seq_lens.size());
+  std::vector<float> out(static_cast<size_t>(batch) * H * kRank, std::nanf(""));
+  DeviceBuf dc(be, c.bytes), dq(be, q), dout(be, out), dtab(be, c.table), dlen(be, c.seq_lens);
+  MlaDecodeParams p;
+  p.q = dq.as<float>();
+  p.out = dout.as<float>();
+  p.kv.entries = dc.as<void>();
+  p.kv.dtype = dt;
+  p.kv.num_pages = c.num_pages;
+  p.table = {dtab.as<int32_t>(), dlen.as<int32_t>(), batch, c.max_blocks};
+  p.num_heads = H;
+  p.scale = kScale;
+  RETURN_IF_ERROR(be->MlaDecodeAbsorbed(p));
+  return dout.Read<float>();
+}
 
 
 TEST_P(MlaTest, AbsorbedDecodeMatchesContiguousOracle) {
@@ -28,26 +51,15 @@ TEST_P(MlaTest, AbsorbedDecodeMatchesContiguousOracle) {
       PagedStore c(dt, 64, kEntry, lens, seed++);
       const int batch = static_cast<int>(lens.size());
       std::vector<float> q = RandomVec(static_cast<size_t>(batch) * H * kEntry, seed++);
-      std::vector<float> out(static_cast<size_t>(batch) * H * kRank, std::nanf(""));
-      DeviceBuf dc(be_.get(), c.bytes), dq(be_.get(), q), dout(be_.get(), out),
-          dtab(be_.get(), c.table), dlen(be_.get(), c.seq_lens);
-      MlaDecodeParams p;
-      p.q = dq.as<float>();
-      p.out = dout.as<float>();
-      p.kv.entries = dc.as<void>();
-      p.kv.dtype = dt;
-      p.kv.num_pages = c.num_pages;
-      p.table = {dtab.as<int32_t>(), dlen.as<int32_t>(), batch, c.max_blocks};
-      p.num_heads = H;
-      p.scale = 1.f / std::sqrt(192.f);
-      ASSERT_TRUE(be_->MlaDecodeAbsorbed(p).ok());
-      out = dout.Read<float>();
+      absl::StatusOr<std::vector<float>> got = RunAbsorbed(be_.get(), c, dt, q, H);
+      ASSERT_TRUE(got.ok()) << got.status();
+      const std::vector<float>& out = *got;
       double worst = 0;
       for (int b = 0; b < batch; ++b) {
         for (int h = 0; h < H; ++h) {
           const size_t qi = static_cast<size_t>(b) * H + h;
           auto row = [&](int t) { return &c.tokens[b][static_cast<size_t>(t) * kEntry]; };
-          auto ref = OracleAttend(&q[qi * kEntry], kEntry, kRank, lens[b], p.scale, row, row);
+          auto ref = OracleAttend(&q[qi * kEntry], kEntry, kRank, lens[b], kScale, row, row);
           worst = std::max(worst, WorstRatio(&out[qi * kRank], ref, kRank, 2e-5, 2e-4));
         }
       }
@@ -84,6 +96,25 @@ TEST_P(MlaTest, AbsorbedDecodeIsBitwiseReproducibleAcrossThreads) {
     const std::vector<float> b = run(threads);
     EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << threads;
   }
+}
+
+// A sequence's absorbed decode does not depend on the batch it is in (the worker's
+// determinism contract): sequence 0 has the same entries and q alone and batched.
+TEST_P(MlaTest, AbsorbedDecodeOfASequenceIsIndependentOfItsBatch) {
+  const int H = 16;
+  auto run = [&](const std::vector<int>& lens) {
+    PagedStore c(DType::kBf16, 64, kEntry, lens, 91);  // sequence b's data: (seed, b) only
+    const int batch = static_cast<int>(lens.size());
+    const std::vector<float> q = RandomVec(static_cast<size_t>(batch) * H * kEntry, 92);
+    absl::StatusOr<std::vector<float>> got = RunAbsorbed(be_.get(), c, DType::kBf16, q, H);
+    EXPECT_TRUE(got.ok()) << got.status();
+    std::vector<float> out = got.ok() ? *std::move(got) : std::vector<float>();
+    out.resize(static_cast<size_t>(H) * kRank);  // sequence 0
+    return out;
+  };
+  const std::vector<float> alone = run({1100});
+  const std::vector<float> batched = run({1100, 3, 700});
+  EXPECT_EQ(std::memcmp(alone.data(), batched.data(), alone.size() * sizeof(float)), 0);
 }
 
 TEST_P(MlaTest, RefusesPagesOtherThan64) {

@@ -276,16 +276,15 @@ int64_t Engine::FetchFromPool(const std::vector<BlockHash>& chain, int64_t local
       fetch = fetch_s < recompute_s;
     }
     if (fetch) {
-      std::vector<bool> have(static_cast<size_t>(local + run), false);
-      for (int64_t i = local; i < local + run; ++i) have[static_cast<size_t>(i)] = true;
-      std::unique_ptr<bool[]> have_arr(new bool[have.size()]);
-      for (size_t i = 0; i < have.size(); ++i) have_arr[i] = have[i];
+      // Blocks [0, local) are cached here; [local, local + run) come from the pool.
+      const size_t k = static_cast<size_t>(local + run);
+      std::unique_ptr<bool[]> have(new bool[k]());
+      for (size_t i = static_cast<size_t>(local); i < k; ++i) have[i] = true;
       std::vector<BlockHash> want_ckpt;
       if (ckpt_index >= 0) want_ckpt.push_back(ckpt_hashes[static_cast<size_t>(ckpt_index)]);
       importing_ = true;
       absl::StatusOr<model::ImportPlan> plan = runner_->BeginImport(
-          std::span<const BlockHash>(chain.data(), have.size()), std::span<const bool>(have_arr.get(), have.size()),
-          want_ckpt);
+          std::span<const BlockHash>(chain.data(), k), std::span<const bool>(have.get(), k), want_ckpt);
       importing_ = false;
       if (plan.ok()) {
         const absl::Time g0 = absl::Now();
