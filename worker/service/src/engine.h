@@ -88,6 +88,7 @@ class Engine : public cache::KvEventSink {
   std::vector<v1::KvEvent> DumpEvents() const;
   // Not owned; may be set while the engine runs. Null: no router.
   void SetPublisher(router::EventPublisher* publisher) { publisher_.store(publisher); }
+  // The configuration, as printed at start. Call before Start (it asks the pool nodes).
   std::string Describe();
 
   const ModelSpec& spec() const { return cfg_.spec; }

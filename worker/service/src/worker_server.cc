@@ -207,6 +207,8 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerConfig c
   }
   ec.instance_id = s.cfg.instance_id;
   ASSIGN_OR_RETURN(s.engine, Engine::Create(std::move(ec), &s.metrics));
+  // Describe() talks to the pool nodes, which only the engine thread may do once it runs.
+  s.describe = absl::StrCat("kvpool-worker ", s.cfg.instance_id, "\n", s.engine->Describe());
   s.engine->Start();  // before the server: no request finds it not running
   s.service = std::make_unique<WorkerService>(s.engine.get(), s.cfg);
   builder.RegisterService(s.service.get());
@@ -235,7 +237,6 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerConfig c
   if (s.cfg.metrics_port >= 0) {
     ASSIGN_OR_RETURN(s.http, MetricsHttpServer::Start(&s.metrics, "0.0.0.0", s.cfg.metrics_port));
   }
-  s.describe = absl::StrCat("kvpool-worker ", s.cfg.instance_id, "\n", s.engine->Describe());
   absl::StrAppend(&s.describe, "  router         ", s.cfg.router.empty() ? "none" : s.cfg.router, "\n");
   absl::StrAppend(&s.describe, "  gRPC           ", s.cfg.listen, " (port ", s.port, "), kvpool.v1.Worker + health\n");
   absl::StrAppend(&s.describe, "  metrics        ",
