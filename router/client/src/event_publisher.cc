@@ -152,7 +152,12 @@ void EventPublisher::Loop() {
       }
       last_heartbeat = std::chrono::steady_clock::now();
       connected = SendHeartbeat();  // load known to the router right away
-      if (!connected) continue;
+      if (!connected) {  // registered but refused: do not hammer the router
+        absl::MutexLock l(&mu_);
+        mu_.AwaitWithTimeout(absl::Condition(&stop_), opts_.retry_interval);
+        if (stop_) break;
+        continue;
+      }
     }
     std::vector<v1::KvEvent> batch;
     {
