@@ -13,6 +13,7 @@
 #include "kvctl.h"
 #include "kvpool/router/router_client.h"
 #include "kvpool/router/router_server.h"
+#include "../sim_router_test.h"
 #include "kvpool/router/trace.h"
 #include "nlohmann/json.hpp"
 
@@ -30,46 +31,9 @@ std::string Line(double ts, int64_t len, const std::vector<uint64_t>& ids) {
   return s + "]}\n";
 }
 
-class ReplayTest : public ::testing::Test {
+class ReplayTest : public testing::SimRouterTest {
  protected:
-  void SetUp() override {
-    router::RouterServerOptions o;
-    o.listen = "127.0.0.1:0";
-    o.metrics_port = -1;
-    o.host.core.models = {"tiny-gqa"};
-    o.host.core.policy = router::PolicyKind::kCacheAware;
-    auto s = router::RouterServer::Start(o);
-    ASSERT_TRUE(s.ok()) << s.status();
-    server_ = *std::move(s);
-    addr_ = "127.0.0.1:" + std::to_string(server_->port());
-    auto c = router::RouterClient::Connect(addr_);
-    ASSERT_TRUE(c.ok()) << c.status();
-    client_ = *std::move(c);
-    for (const char* id : {"sim-w0", "sim-w1"}) {
-      v1::RegisterRequest r;
-      r.set_source_id(id);
-      r.set_kind(v1::SOURCE_KIND_WORKER);
-      r.mutable_model()->set_name("tiny-gqa");
-      r.set_capacity_blocks(4096);
-      r.set_publishes_events(true);
-      ASSERT_TRUE(client_->Register(r).ok());
-    }
-    heartbeats_ = std::thread([this] {
-      while (!stop_.load()) {
-        for (const char* id : {"sim-w0", "sim-w1"}) {
-          v1::HeartbeatRequest h;
-          h.set_source_id(id);
-          (void)client_->Heartbeat(h);
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      }
-    });
-  }
-  void TearDown() override {
-    stop_ = true;
-    if (heartbeats_.joinable()) heartbeats_.join();
-    if (server_) server_->Shutdown();
-  }
+  void SetUp() override { StartRouter({"sim-w0", "sim-w1"}); }
 
   // Publishes `req`'s cache blocks as stored on `source` (as its worker would after a prefill).
   void PublishPrompt(const std::string& source, const trace::TraceRequest& req) {
@@ -87,12 +51,6 @@ class ReplayTest : public ::testing::Test {
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_EQ(r->events_applied(), 1u);
   }
-
-  std::unique_ptr<router::RouterServer> server_;
-  std::unique_ptr<router::RouterClient> client_;
-  std::string addr_;
-  std::thread heartbeats_;
-  std::atomic<bool> stop_{false};
 };
 
 TEST_F(ReplayTest, RoutesEveryRequestAndReportsHitsAndLoad) {
