@@ -6,6 +6,8 @@
 #include <httplib.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <filesystem>
 #include <random>
 #include <thread>
@@ -72,6 +74,30 @@ Tokens Concat(const Tokens& a, const Tokens& b) {
   Tokens out = a;
   out.insert(out.end(), b.begin(), b.end());
   return out;
+}
+
+struct Hits {
+  uint64_t gpu = 0;   // prompt tokens reused from the worker's own cache
+  uint64_t pool = 0;  // prompt tokens fetched from pool nodes
+};
+
+// Sends prompts[from, to) to `w` and expects every answer (tokens and hidden digest) to
+// equal want[i] bit for bit. Returns the hits the answers report.
+Hits ExpectSameAsOracle(Client& w, const std::vector<Tokens>& prompts, const std::vector<Answer>& want,
+                        uint32_t new_tokens, size_t from = 0, size_t to = SIZE_MAX) {
+  Hits hits;
+  for (size_t i = from; i < std::min(to, prompts.size()); ++i) {
+    absl::StatusOr<Answer> r = w.Generate(prompts[i], new_tokens);
+    if (!r.ok()) {
+      ADD_FAILURE() << "prompt " << i << ": " << r.status();
+      continue;
+    }
+    EXPECT_EQ(r->output, want[i].output) << "prompt " << i;
+    EXPECT_EQ(r->digest, want[i].digest) << "prompt " << i;
+    hits.gpu += r->resp.gpu_hit_tokens();
+    hits.pool += r->resp.pool_hit_tokens();
+  }
+  return hits;
 }
 
 class Cluster {
@@ -202,25 +228,10 @@ TEST_P(InvariantTest, OutputsEqualRecomputeWhateverTheTier) {
     want.push_back(*r);
   }
   // Worker A: the second prompt of each prefix hits its GPU cache.
-  uint64_t gpu_hits = 0;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    auto r = worker_a.Generate(prompts[i], 3);
-    ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ(r->output, want[i].output) << "prompt " << i;
-    EXPECT_EQ(r->digest, want[i].digest) << "prompt " << i;
-    gpu_hits += r->resp.gpu_hit_tokens();
-  }
-  EXPECT_GT(gpu_hits, 0u);
+  EXPECT_GT(ExpectSameAsOracle(worker_a, prompts, want, 3).gpu, 0u);
   EXPECT_GT(worker_a.Stats().bytes_moved_by_tier().at("offloaded"), 0u);
   // Worker B never saw these prompts: their prefixes come from the pool.
-  uint64_t pool_hits = 0;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    auto r = worker_b.Generate(prompts[i], 3);
-    ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ(r->output, want[i].output) << "prompt " << i;
-    EXPECT_EQ(r->digest, want[i].digest) << "prompt " << i;
-    pool_hits += r->resp.pool_hit_tokens();
-  }
+  const uint64_t pool_hits = ExpectSameAsOracle(worker_b, prompts, want, 3).pool;
   EXPECT_GT(pool_hits, 0u);
   const v1::WorkerStats sb = worker_b.Stats();
   EXPECT_GT(sb.bytes_moved_by_tier().at("fetched_dram") + sb.bytes_moved_by_tier().at("fetched_nvme"), 0u);
@@ -285,12 +296,7 @@ TEST(WorkerService, PrefixesComeBackFromNvme) {
   wb.num_blocks = 16;
   wb.fetch = "always";
   Client worker_b(cl.StartWorker(wb));
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    auto r = worker_b.Generate(prompts[i], 2);
-    ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ(r->output, want[i].output) << "prompt " << i;
-    EXPECT_EQ(r->digest, want[i].digest) << "prompt " << i;
-  }
+  ExpectSameAsOracle(worker_b, prompts, want, 2);
   const v1::WorkerStats sb = worker_b.Stats();
   EXPECT_GT(sb.bytes_moved_by_tier().at("fetched_nvme"), 0u);
   EXPECT_GT(sb.prefix_hits_pool_tokens(), 0u);
@@ -318,21 +324,9 @@ TEST(WorkerService, WriteBackThenNodeLoss) {
   wb.instance_id = "worker-b";
   wb.fetch = "always";
   Client worker_b(cl.StartWorker(wb));
-  uint64_t pool_hits = 0;
-  for (size_t i = 0; i < 4; ++i) {
-    auto r = worker_b.Generate(prompts[i], 2);
-    ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ(r->digest, want[i].digest) << "prompt " << i;
-    pool_hits += r->resp.pool_hit_tokens();
-  }
-  EXPECT_GT(pool_hits, 0u);
+  EXPECT_GT(ExpectSameAsOracle(worker_b, prompts, want, 2, 0, 4).pool, 0u);
   cl.KillNode(0);
-  for (size_t i = 4; i < prompts.size(); ++i) {
-    auto r = worker_b.Generate(prompts[i], 2);
-    ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ(r->output, want[i].output) << "prompt " << i;
-    EXPECT_EQ(r->digest, want[i].digest) << "prompt " << i;
-  }
+  ExpectSameAsOracle(worker_b, prompts, want, 2, 4);
 }
 
 TEST(WorkerService, BadRequestsNameTheField) {
