@@ -395,33 +395,50 @@ ApplyResult KvIndex::ApplyBatch(SourceSlot slot, const EventBatch& batch) {
 
 void KvIndex::FindMatches(std::span<const BlockHash> hashes, MatchResult* out) {
   out->gpu.clear();
-  const uint32_t n = static_cast<uint32_t>(hashes.size());
-  out->in_pool.resize(n);
-  uint8_t* in_pool = out->in_pool.data();
   const uint32_t tick = NextTick();
-  // Slots < 64: one mask; end0[b] = the block where slot b's GPU prefix ends.
-  uint64_t active0 = 0, matched0 = 0;
-  uint32_t end0[64];
-  // Slots >= 64 (rare): words of the first block's spill, ANDed likewise.
-  absl::InlinedVector<GpuWord, 2> active_hi;
-  std::vector<GpuMatch>& gpu = out->gpu;
+  // Pass 1: probe the table for the chain, nothing else, so the probes overlap.
+  const uint32_t n = static_cast<uint32_t>(hashes.size());
+  if (walk_.size() < n) walk_.resize(n);
+  Entry** walk = walk_.data();
   uint32_t i = 0;
+  constexpr uint32_t kAhead = 8;
+  for (uint32_t k = 0; k < std::min(n, kAhead); ++k) map_.prefetch(hashes[k]);
   for (; i < n; ++i) {
+    if (i + kAhead < n) map_.prefetch(hashes[i + kAhead]);
     auto it = map_.find(hashes[i]);
     if (it == map_.end()) break;
-    Entry& e = it->second;
+    walk[i] = &it->second;
+  }
+  out->walked_blocks = i;
+  out->in_pool.resize(i);
+  std::vector<GpuMatch>& gpu = out->gpu;
+  if (i == 0) {
+    out->pool_prefix = 0;
+    return;
+  }
+  // Pass 2: intersect the GPU holders along the walk. Slots < 64 are one mask; the blocks
+  // where it shrinks are logged without a branch (drop_at/drop_mask), then expanded.
+  uint8_t* in_pool = out->in_pool.data();
+  if (drops_.size() < i) drops_.resize(i);
+  Drop* drops = drops_.data();
+  uint32_t num_drops = 0;
+  const uint64_t matched0 = walk[0]->gpu0;
+  uint64_t active0 = matched0;
+  // Slots >= 64 (rare): words of the first block's spill, ANDed likewise.
+  absl::InlinedVector<GpuWord, 2> active_hi;
+  if (walk[0]->spill != nullptr) active_hi.assign(walk[0]->spill->gpu.begin(), walk[0]->spill->gpu.end());
+  walk[0]->age = tick;
+  in_pool[0] = walk[0]->all_pool_tiers;
+  for (uint32_t b = 1; b < i; ++b) {
+    Entry& e = *walk[b];
     e.age = tick;
-    in_pool[i] = e.all_pool_tiers;
-    if (i == 0) {
-      active0 = matched0 = e.gpu0;
-      if (e.spill != nullptr) active_hi.assign(e.spill->gpu.begin(), e.spill->gpu.end());
-      continue;
-    }
-    uint64_t dropped = active0 & ~e.gpu0;
+    in_pool[b] = e.all_pool_tiers;
+    const uint64_t dropped = active0 & ~e.gpu0;
     active0 &= e.gpu0;
-    for (; dropped != 0; dropped &= dropped - 1) end0[std::countr_zero(dropped)] = i;
+    drops[num_drops] = Drop{b, dropped};
+    num_drops += dropped != 0;
     if (!active_hi.empty()) [[unlikely]] {
-      // active_hi &= the entry's words (both sorted by word); dropped sources end at i.
+      // active_hi &= the entry's words (both sorted by word); dropped sources end at b.
       const GpuWord* w = e.spill != nullptr ? e.spill->gpu.data() : nullptr;
       const size_t nw = e.spill != nullptr ? e.spill->gpu.size() : 0;
       size_t k = 0, out_n = 0;
@@ -429,33 +446,35 @@ void KvIndex::FindMatches(std::span<const BlockHash> hashes, MatchResult* out) {
         while (k < nw && w[k].word < active_hi[a].word) ++k;
         const uint64_t keep = (k < nw && w[k].word == active_hi[a].word) ? active_hi[a].bits & w[k].bits : 0;
         for (uint64_t d = active_hi[a].bits & ~keep; d != 0; d &= d - 1) {
-          gpu.push_back(GpuMatch{active_hi[a].word * 64 + static_cast<uint32_t>(std::countr_zero(d)), i});
+          gpu.push_back(GpuMatch{active_hi[a].word * 64 + static_cast<uint32_t>(std::countr_zero(d)), b});
         }
         if (keep != 0) active_hi[out_n++] = GpuWord{active_hi[a].word, keep};
       }
       active_hi.resize(out_n);
     }
   }
-  out->walked_blocks = i;
-  out->in_pool.resize(i);
-  for (uint64_t b = active0; b != 0; b &= b - 1) end0[std::countr_zero(b)] = i;
+  // end0[s] = the block where slot s's GPU prefix ends.
+  uint32_t end0[64];
+  for (uint32_t d = 0; d < num_drops; ++d) {
+    for (uint64_t m = drops[d].mask; m != 0; m &= m - 1) end0[std::countr_zero(m)] = drops[d].block;
+  }
+  for (uint64_t m = active0; m != 0; m &= m - 1) end0[std::countr_zero(m)] = i;
   for (const GpuWord& w : active_hi) {
-    for (uint64_t b = w.bits; b != 0; b &= b - 1) {
-      gpu.push_back(GpuMatch{w.word * 64 + static_cast<uint32_t>(std::countr_zero(b)), i});
+    for (uint64_t m = w.bits; m != 0; m &= m - 1) {
+      gpu.push_back(GpuMatch{w.word * 64 + static_cast<uint32_t>(std::countr_zero(m)), i});
     }
   }
   if (!gpu.empty()) {  // slots >= 64: sort them, then put slots < 64 (ascending) in front
     std::sort(gpu.begin(), gpu.end(), [](const GpuMatch& a, const GpuMatch& b) { return a.source < b.source; });
-    const size_t lo = static_cast<size_t>(std::popcount(matched0));
-    gpu.insert(gpu.begin(), lo, GpuMatch{0, 0});
+    gpu.insert(gpu.begin(), static_cast<size_t>(std::popcount(matched0)), GpuMatch{0, 0});
     size_t k = 0;
-    for (uint64_t b = matched0; b != 0; b &= b - 1) {
-      const int s = std::countr_zero(b);
+    for (uint64_t m = matched0; m != 0; m &= m - 1) {
+      const int s = std::countr_zero(m);
       gpu[k++] = GpuMatch{static_cast<SourceSlot>(s), end0[s]};
     }
   } else {
-    for (uint64_t b = matched0; b != 0; b &= b - 1) {
-      const int s = std::countr_zero(b);
+    for (uint64_t m = matched0; m != 0; m &= m - 1) {
+      const int s = std::countr_zero(m);
       gpu.push_back(GpuMatch{static_cast<SourceSlot>(s), end0[s]});
     }
   }

@@ -43,6 +43,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/inlined_vector.h"
 #include "kvpool/common/hash.h"
+#include "kvpool/common/huge_page_allocator.h"
 #include "kvpool/router/events.h"
 
 namespace kvpool::router {
@@ -157,16 +158,18 @@ class KvIndex {
     absl::InlinedVector<GpuWord, 1> gpu;  // words >= 1, sorted by word, bits != 0
     std::vector<PoolHolder> pool;         // holders after Entry::pool_slot
   };
-  // 48 bytes (64 with the key): one cache line per block in the common case.
+  // 48 bytes (64 with the key). What a lookup reads comes first, so key + those fields
+  // (44 bytes) share one cache line: absl lays a big table's 64-byte slots out at offset
+  // 16 of a line, and parent (read by pruning only) takes the slot's last 16 bytes.
   struct Entry {
     uint64_t gpu0 = 0;              // GPU holders in slots [0, 64)
-    BlockHash parent;               // chain predecessor, zero for a chain start or a state key
+    std::unique_ptr<Spill> spill;
     uint32_t age = 0;               // tick_ of the last store or lookup
     SourceSlot pool_slot = kNoSlot; // first DRAM/NVMe holder
     uint8_t pool_tiers = 0;         // its tiers, bit (1 << Tier)
     uint8_t all_pool_tiers = 0;     // OR over every DRAM/NVMe holder
     bool is_state = false;          // a LINEAR_STATE key (derived from the block hash)
-    std::unique_ptr<Spill> spill;
+    BlockHash parent;               // chain predecessor, zero for a chain start or a state key
     bool empty() const { return gpu0 == 0 && pool_slot == kNoSlot && spill == nullptr; }
   };
   struct SourceState {
@@ -179,7 +182,9 @@ class KvIndex {
   struct Hasher {
     size_t operator()(const BlockHash& h) const { return static_cast<size_t>(h.lo * 0x9E3779B97F4A7C15ull); }
   };
-  using Map = absl::flat_hash_map<BlockHash, Entry, Hasher>;
+  // Huge pages: a lookup probes the table at random places, one TLB miss per block else.
+  using Map = absl::flat_hash_map<BlockHash, Entry, Hasher, std::equal_to<BlockHash>,
+                                  HugePageAllocator<std::pair<const BlockHash, Entry>>>;
 
   static BlockHash StateKey(const BlockHash& h);
   SourceState& Source(SourceSlot slot);
@@ -199,6 +204,13 @@ class KvIndex {
   Map map_;
   std::vector<SourceState> sources_;  // by slot
   size_t entries_ = 0;
+  // FindMatches scratch: the entries along the walk, and the blocks where GPU holders drop.
+  struct Drop {
+    uint32_t block;
+    uint64_t mask;
+  };
+  std::vector<Entry*> walk_;
+  std::vector<Drop> drops_;
   uint32_t tick_ = 0;  // ages: one tick per Store/Remove call and per lookup, renormalised at wrap
   uint64_t pruned_ = 0;
 };
