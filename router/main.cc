@@ -1,3 +1,7 @@
+#include "kvpool/common/service_main.h"
 #include "kvpool/router/router_server.h"
 
-int main(int argc, char** argv) { return kvpool::router::RunRouterMain(argc, argv); }
+int main(int argc, char** argv) {
+  kvpool::InitProcess();
+  return kvpool::router::RunRouterMain(argc, argv);
+}

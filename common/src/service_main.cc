@@ -5,11 +5,19 @@
 #include <csignal>
 #include <thread>
 
+#include "absl/synchronization/mutex.h"
+
 namespace kvpool {
 namespace {
 std::atomic<bool> g_signalled{false};
 void OnSignal(int) { g_signalled.store(true); }
 }  // namespace
+
+void InitProcess() {
+#ifdef NDEBUG
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+#endif
+}
 
 void WaitForTerminationSignal() {
   std::signal(SIGINT, OnSignal);

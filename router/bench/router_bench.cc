@@ -26,6 +26,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "bench.h"
+#include "kvpool/common/service_main.h"
 #include "kvpool/router/kv_index.h"
 #include "kvpool/router/router_core.h"
 
@@ -346,6 +347,7 @@ ordered_json LookupLatency(int iterations) {
 }  // namespace kvpool::router::bench
 
 int main(int argc, char** argv) {
+  kvpool::InitProcess();
   using namespace kvpool::router::bench;
   CLI::App app{"router_bench: router index throughput, lookup latency and gRPC Route", "router_bench"};
   const char* env = std::getenv("KVPOOL_SOURCE_DIR");

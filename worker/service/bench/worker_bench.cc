@@ -14,6 +14,7 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
+#include "kvpool/common/service_main.h"
 #include "kvpool/pool_node/node_server.h"
 #include "kvpool/v1/worker.grpc.pb.h"
 #include "kvpool/worker/service/worker_server.h"
@@ -139,4 +140,7 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace kvpool::worker
 
-int main(int argc, char** argv) { return kvpool::worker::Main(argc, argv); }
+int main(int argc, char** argv) {
+  kvpool::InitProcess();
+  return kvpool::worker::Main(argc, argv);
+}

@@ -20,6 +20,12 @@
 
 namespace kvpool {
 
+// Process-wide settings; every kvpool binary calls it first thing in main() (RunServiceMain
+// does). In builds with NDEBUG it turns absl::Mutex deadlock detection off: Debian's
+// libabsl is compiled without NDEBUG, so otherwise every Mutex::Lock in the process (ours
+// and gRPC's) updates a global lock graph under a global spinlock. Tests keep it on.
+void InitProcess();
+
 // Blocks until the process receives SIGINT or SIGTERM (installs the handlers).
 void WaitForTerminationSignal();
 
@@ -31,6 +37,7 @@ std::string AdvertiseAddress(const std::string& listen, const std::string& adver
 template <typename Config, typename Server>
 int RunServiceMain(const char* program, absl::StatusOr<Config> config,
                    absl::StatusOr<std::unique_ptr<Server>> (*start)(Config)) {
+  InitProcess();
   if (!config.ok()) {
     if (absl::IsCancelled(config.status())) return 0;  // --help
     std::cerr << program << ": " << config.status().message() << "\n";
