@@ -302,6 +302,8 @@ ordered_json LookupLatency(int iterations) {
   j["iterations"] = iterations;
   j["matched_instances"] = m.gpu.size();
   j["p50_ns"] = Percentile(ns, 0.50);
+  j["p90_ns"] = Percentile(ns, 0.90);
+  j["p95_ns"] = Percentile(ns, 0.95);
   j["p99_ns"] = Percentile(ns, 0.99);
   j["p999_ns"] = Percentile(ns, 0.999);
   j["target_p99_ns"] = 2000;

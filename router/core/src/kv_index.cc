@@ -272,13 +272,11 @@ void KvIndex::RemoveSource(SourceSlot slot) {
 void KvIndex::ClearSource(SourceSlot slot) {
   SourceState& s = Source(slot);
   if (s.entries == 0) return;
-  for (auto it = map_.begin(); it != map_.end();) {
-    auto cur = it++;
-    if (RemoveAllHolders(cur->second, slot)) {
-      --entries_;
-      if (cur->second.empty()) map_.erase(cur);  // erase never moves other slots
-    }
-  }
+  map_.EraseIf([&](const BlockHash&, Entry& e) {
+    if (!RemoveAllHolders(e, slot)) return false;
+    --entries_;
+    return e.empty();
+  });
   s.entries = 0;
 }
 
@@ -401,13 +399,10 @@ void KvIndex::FindMatches(std::span<const BlockHash> hashes, MatchResult* out) {
   if (walk_.size() < n) walk_.resize(n);
   Entry** walk = walk_.data();
   uint32_t i = 0;
-  constexpr uint32_t kAhead = 8;
-  for (uint32_t k = 0; k < std::min(n, kAhead); ++k) map_.prefetch(hashes[k]);
   for (; i < n; ++i) {
-    if (i + kAhead < n) map_.prefetch(hashes[i + kAhead]);
-    auto it = map_.find(hashes[i]);
-    if (it == map_.end()) break;
-    walk[i] = &it->second;
+    Entry* e = map_.FindValue(hashes[i]);
+    if (e == nullptr) break;
+    walk[i] = e;
   }
   out->walked_blocks = i;
   out->in_pool.resize(i);
@@ -558,7 +553,7 @@ EventBatch KvIndex::Dump(SourceSlot slot) const {
 }
 
 size_t KvIndex::MemoryBytes() const {
-  size_t bytes = map_.capacity() * (sizeof(Map::value_type) + 1) + sources_.capacity() * sizeof(SourceState);
+  size_t bytes = map_.capacity() * sizeof(Map::Slot) + sources_.capacity() * sizeof(SourceState);
   for (const auto& [key, e] : map_) {
     if (e.spill == nullptr) continue;
     bytes += sizeof(Spill) + e.spill->pool.capacity() * sizeof(PoolHolder);

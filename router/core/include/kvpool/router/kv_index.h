@@ -43,7 +43,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/inlined_vector.h"
 #include "kvpool/common/hash.h"
-#include "kvpool/common/huge_page_allocator.h"
+#include "kvpool/router/block_map.h"
 #include "kvpool/router/events.h"
 
 namespace kvpool::router {
@@ -158,9 +158,8 @@ class KvIndex {
     absl::InlinedVector<GpuWord, 1> gpu;  // words >= 1, sorted by word, bits != 0
     std::vector<PoolHolder> pool;         // holders after Entry::pool_slot
   };
-  // 48 bytes (64 with the key). What a lookup reads comes first, so key + those fields
-  // (44 bytes) share one cache line: absl lays a big table's 64-byte slots out at offset
-  // 16 of a line, and parent (read by pruning only) takes the slot's last 16 bytes.
+  // 48 bytes: with the key, one 64-byte BlockMap slot (one cache line per block). What a
+  // lookup reads comes first; parent (read by pruning only) last.
   struct Entry {
     uint64_t gpu0 = 0;              // GPU holders in slots [0, 64)
     std::unique_ptr<Spill> spill;
@@ -169,6 +168,7 @@ class KvIndex {
     uint8_t pool_tiers = 0;         // its tiers, bit (1 << Tier)
     uint8_t all_pool_tiers = 0;     // OR over every DRAM/NVMe holder
     bool is_state = false;          // a LINEAR_STATE key (derived from the block hash)
+    uint8_t slot_state = 0;         // owned by BlockMap
     BlockHash parent;               // chain predecessor, zero for a chain start or a state key
     bool empty() const { return gpu0 == 0 && pool_slot == kNoSlot && spill == nullptr; }
   };
@@ -182,9 +182,7 @@ class KvIndex {
   struct Hasher {
     size_t operator()(const BlockHash& h) const { return static_cast<size_t>(h.lo * 0x9E3779B97F4A7C15ull); }
   };
-  // Huge pages: a lookup probes the table at random places, one TLB miss per block else.
-  using Map = absl::flat_hash_map<BlockHash, Entry, Hasher, std::equal_to<BlockHash>,
-                                  HugePageAllocator<std::pair<const BlockHash, Entry>>>;
+  using Map = BlockMap<Entry>;
 
   static BlockHash StateKey(const BlockHash& h);
   SourceState& Source(SourceSlot slot);
