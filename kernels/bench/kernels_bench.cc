@@ -23,6 +23,11 @@
 // (the smaller sweep points may run from cache; each result says whether it fits the LLC).
 // --best reports the fastest repetition instead of the median (A/B of kernel versions on
 // a loaded machine); --only=SHAPE (e.g. llama, deepseek) runs one shape.
+// A third probe (CPU, AVX2+FMA) counts fp32 FMA lanes per second (independent
+// _mm256_fmadd_ps chains on every thread). With each kernel's FMAs per byte (from the
+// math; see FmaPerByte*) it gives a compute roof; every result reports
+// fraction_of_roof against min(probe, compute roof). That figure explains a shift from
+// memory- to FMA-bound shapes (llama-70b-tp8, deepseek-v3-tp8); it is not the target.
 // --min-bytes lowers the smallest working set swept (to see cache-resident speed);
 // --huge-pages madvises host buffers for transparent huge pages.
 #include <algorithm>
@@ -34,7 +39,7 @@
 #include <cstring>
 #include <atomic>
 #if defined(__x86_64__) || defined(__i386__)
-#include <emmintrin.h>
+#include <immintrin.h>
 #endif
 #include <functional>
 #include <thread>
@@ -42,6 +47,7 @@
 #include <string>
 #include <vector>
 
+#include "kvpool/common/service_main.h"
 #include "kvpool/kernels/backend.h"
 
 namespace kvpool::kernels {
@@ -169,7 +175,22 @@ struct Result {
   int batch, context;
   double bytes, seconds;
   double cores = g_last_cores;  // filled after Time() ran
+  // fp32 FMA-unit operations (FMAs, and the multiplies of KDA) the kernel needs per
+  // counted byte; see FmaPerByte*. Sets the compute roof with the FMA probe.
+  double fma_per_byte = 0;
 };
+
+// FMA-unit operations per counted byte, from the math alone (one lane = one fp32 FMA):
+//   gqa: each K and V element of a kv head meets its G = nq / nkv q heads once
+//        (QK^T and PV): 2 G d lanes per 2 d elements, i.e. G / esz per byte;
+//   mla: each 576-element entry meets every head for QK^T (576) and its 512-element
+//        latent again for PV: H (576 + 512) lanes per 576 esz bytes;
+//   kda: per fp32 state element 1 FMA (u = S^T k) + 1 multiply + 2 FMAs (update and
+//        output) = 4 lanes per 8 bytes (read + written).
+// Softmax exps, conversions and loads are not counted: the roof is optimistic.
+double FmaPerByteGqa(int nq, int nkv, size_t esz) { return static_cast<double>(nq / nkv) / esz; }
+double FmaPerByteMla(int heads, size_t esz) { return heads * (576.0 + 512.0) / (576.0 * esz); }
+constexpr double kFmaPerByteKda = 4.0 / 8.0;
 
 // The bandwidth probes, measured right before each kernel family's points (the load on
 // a shared machine drifts during a run), with the backend's thread count.
@@ -183,6 +204,9 @@ struct Probe {
   double copy_bw = 0, copy_s = 0, copy_cores = 0;
   double read_bw = 0, read_s = 0, read_cores = 0;
   bool has_read = false;
+  // fp32 FMA lanes per second on the backend's thread count (CPU with AVX2+FMA only;
+  // 0 where there is no such probe, and then no compute roof is reported).
+  double fma_lanes_per_s = 0, fma_s = 0, fma_cores = 0;
 };
 
 uint64_t g_sink = 0;  // keeps the read probe's sums alive
@@ -231,6 +255,59 @@ void ReadAll(const void* p, size_t bytes, int threads) {
   g_sink += sink.load();
 }
 
+float g_fma_sink = 0;  // keeps the FMA probe's results alive
+
+#if defined(__x86_64__) || defined(__i386__)
+// kFmaChains independent chains of _mm256_fmadd_ps, `iters` rounds: 8 * kFmaChains *
+// iters fp32 FMA lanes. 12 chains cover the FMA latency (4-5 cycles) x pipes (2) of
+// current x86 cores with registers to spare (14 of 16 ymm).
+constexpr int kFmaChains = 12;
+__attribute__((target("avx2,fma"))) float FmaChains(int64_t iters, float seed) {
+  // Named registers, not an array: gcc at -O2 kept an array of accumulators in memory
+  // (stores in the loop), and the probe measured those instead of the FMAs.
+  const __m256 m = _mm256_set1_ps(0.9999999f), c = _mm256_set1_ps(1e-7f);  // stays near 1
+  __m256 a0 = _mm256_set1_ps(seed), a1 = _mm256_add_ps(a0, c), a2 = _mm256_add_ps(a1, c);
+  __m256 a3 = _mm256_add_ps(a2, c), a4 = _mm256_add_ps(a3, c), a5 = _mm256_add_ps(a4, c);
+  __m256 a6 = _mm256_add_ps(a5, c), a7 = _mm256_add_ps(a6, c), a8 = _mm256_add_ps(a7, c);
+  __m256 a9 = _mm256_add_ps(a8, c), a10 = _mm256_add_ps(a9, c), a11 = _mm256_add_ps(a10, c);
+  for (int64_t i = 0; i < iters; ++i) {
+    a0 = _mm256_fmadd_ps(a0, m, c);
+    a1 = _mm256_fmadd_ps(a1, m, c);
+    a2 = _mm256_fmadd_ps(a2, m, c);
+    a3 = _mm256_fmadd_ps(a3, m, c);
+    a4 = _mm256_fmadd_ps(a4, m, c);
+    a5 = _mm256_fmadd_ps(a5, m, c);
+    a6 = _mm256_fmadd_ps(a6, m, c);
+    a7 = _mm256_fmadd_ps(a7, m, c);
+    a8 = _mm256_fmadd_ps(a8, m, c);
+    a9 = _mm256_fmadd_ps(a9, m, c);
+    a10 = _mm256_fmadd_ps(a10, m, c);
+    a11 = _mm256_fmadd_ps(a11, m, c);
+  }
+  const __m256 s = _mm256_add_ps(
+      _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
+                    _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7))),
+      _mm256_add_ps(_mm256_add_ps(a8, a9), _mm256_add_ps(a10, a11)));
+  return _mm_cvtss_f32(_mm256_castps256_ps128(s));
+}
+
+bool HaveFma() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+
+// Runs FmaChains(iters) on `threads` threads at once; returns FMA lanes done.
+double FmaAll(int64_t iters, int threads) {
+  std::vector<float> sums(threads);
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back([&, t] { sums[t] = FmaChains(iters, 1.f + t); });
+  sums[0] = FmaChains(iters, 1.f);
+  for (auto& t : pool) t.join();
+  for (float x : sums) g_fma_sink += x;
+  return 8.0 * kFmaChains * static_cast<double>(iters) * threads;
+}
+#else
+bool HaveFma() { return false; }
+double FmaAll(int64_t, int) { return 0; }
+#endif
+
 Probe MeasureProbe(KernelBackend* be, void* a, void* b, size_t bytes, bool gpu, double min_t) {
   Probe pr;
   pr.copy_s = Time(be, [&] { Check(be->CopyWithin(b, a, bytes), "probe copy"); }, min_t);
@@ -245,6 +322,14 @@ Probe MeasureProbe(KernelBackend* be, void* a, void* b, size_t bytes, bool gpu, 
     pr.read_bw = pr.copy_bw;
     pr.read_s = pr.copy_s;
     pr.read_cores = pr.copy_cores;
+  }
+  if (!gpu && HaveFma()) {
+    // ~10-20 ms per repetition at ~50 G lanes/s per core.
+    constexpr int64_t kIters = 5'000'000;
+    double lanes = 0;
+    pr.fma_s = Time(be, [&] { lanes = FmaAll(kIters, be->num_threads()); }, min_t);
+    pr.fma_lanes_per_s = lanes / pr.fma_s;
+    pr.fma_cores = g_last_cores;
   }
   return pr;
 }
@@ -281,7 +366,8 @@ Result BenchGqa(KernelBackend* be, const char* shape, int nq, int nkv, int d, in
   p.table = {tab.as<int32_t>(), lens.as<int32_t>(), batch, blocks};
   p.num_q_heads = nq;
   const double s = Time(be, [&] { Check(be->GqaDecode(p), "gqa decode"); }, min_t);
-  return {"gqa_decode", shape, batch, ctx, 2.0 * batch * ctx * nkv * d * 2, s, g_last_cores};
+  return {"gqa_decode", shape, batch, ctx, 2.0 * batch * ctx * nkv * d * 2, s, g_last_cores,
+          FmaPerByteGqa(nq, nkv, ElementBytes(DType::kBf16))};
 }
 
 Result BenchMla(KernelBackend* be, const char* shape, int heads, int batch, int ctx, double min_t) {
@@ -299,7 +385,8 @@ Result BenchMla(KernelBackend* be, const char* shape, int heads, int batch, int 
   p.num_heads = heads;
   p.scale = 1.f / std::sqrt(192.f);
   const double s = Time(be, [&] { Check(be->MlaDecodeAbsorbed(p), "mla decode"); }, min_t);
-  return {"mla_decode", shape, batch, ctx, 1.0 * batch * ctx * 576 * 2, s, g_last_cores};
+  return {"mla_decode", shape, batch, ctx, 1.0 * batch * ctx * 576 * 2, s, g_last_cores,
+          FmaPerByteMla(heads, ElementBytes(DType::kBf16))};
 }
 
 Result BenchKda(KernelBackend* be, const char* shape, int H, int dk, int dv, int batch, double min_t) {
@@ -328,7 +415,14 @@ Result BenchKda(KernelBackend* be, const char* shape, int H, int dk, int dv, int
   p.pool = {pool.as<float>(), batch, H, dk, dv};
   p.batch = batch;
   const double s = Time(be, [&] { Check(be->KdaDecode(p), "kda decode"); }, min_t);
-  return {"kda_decode", shape, batch, 0, 2.0 * batch * state * 4, s, g_last_cores};
+  return {"kda_decode", shape, batch, 0, 2.0 * batch * state * 4, s, g_last_cores, kFmaPerByteKda};
+}
+
+// "%.4e" of v as a string (JSON fields that may be null).
+std::string Sci(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.4e", v);
+  return buf;
 }
 
 int Main(int argc, char** argv) {
@@ -428,7 +522,14 @@ int Main(int argc, char** argv) {
   // fraction (bytes per CPU-second of the kernel against the probe's bytes per
   // CPU-second): on a loaded machine a run gets a varying share of its threads' cores,
   // and this one does not move with that share.
-  struct Fractions { double of_probe, of_copy, cpu_normalized; };
+  // Explanatory, not a target: the compute roof (bytes/s the FMA probe allows at the
+  // kernel's FMAs per byte), the roof = min(matching probe, compute roof), and the
+  // fraction of that roof. A shape whose compute roof is below the probe cannot reach
+  // the probe-based target with fp32 FMAs on this machine, however it reads memory.
+  struct Fractions {
+    double of_probe, of_copy, cpu_normalized, compute_roof, roof, of_roof;
+    bool fma_bound;  // the compute roof is the lower one
+  };
   auto fractions = [&](size_t i) {
     const Result& r = results[i];
     const Probe& pr = probes[probe_of[i]].second;
@@ -436,7 +537,9 @@ int Main(int argc, char** argv) {
     const double ref = ReadOnly(r.kernel) ? pr.read_bw : pr.copy_bw;
     const double ref_cores = ReadOnly(r.kernel) ? pr.read_cores : pr.copy_cores;
     const double norm = (r.cores > 0 && ref_cores > 0) ? (bw / r.cores) / (ref / ref_cores) : 0;
-    return Fractions{bw / ref, bw / pr.copy_bw, norm};
+    const double compute = (pr.fma_lanes_per_s > 0 && r.fma_per_byte > 0) ? pr.fma_lanes_per_s / r.fma_per_byte : 0;
+    const double roof = compute > 0 ? std::min(ref, compute) : ref;
+    return Fractions{bw / ref, bw / pr.copy_bw, norm, compute, roof, bw / roof, compute > 0 && compute < ref};
   };
 
   // Targets: GQA at >= 4K context, MLA, KDA, over working sets >= 64 MiB and >= 2x the
@@ -449,7 +552,7 @@ int Main(int argc, char** argv) {
   std::string tjson;
   std::string ttext;
   for (const auto& t : targets) {
-    double worst = 1e9, best = 0, worst_norm = 1e9;
+    double worst = 1e9, best = 0, worst_norm = 1e9, worst_roof = 1e9, best_roof = 0;
     int n = 0;
     for (size_t i = 0; i < results.size(); ++i) {
       const Result& r = results[i];
@@ -458,6 +561,8 @@ int Main(int argc, char** argv) {
       worst = std::min(worst, f.of_probe);
       best = std::max(best, f.of_probe);
       worst_norm = std::min(worst_norm, f.cpu_normalized);
+      worst_roof = std::min(worst_roof, f.of_roof);
+      best_roof = std::max(best_roof, f.of_roof);
       ++n;
     }
     if (n == 0) continue;  // not run (--only) or no point large enough (--quick)
@@ -466,15 +571,16 @@ int Main(int argc, char** argv) {
     std::snprintf(line, sizeof line,
                   "%s{\"kernel\": \"%s\", \"min_context\": %d, \"probe\": \"%s\", "
                   "\"worst_fraction\": %.3f, \"best_fraction\": %.3f, "
-                  "\"worst_cpu_normalized_fraction\": %.3f, \"target\": %.2f, \"met\": %s}",
+                  "\"worst_cpu_normalized_fraction\": %.3f, \"target\": %.2f, \"met\": %s, "
+                  "\"worst_fraction_of_roof\": %.3f, \"best_fraction_of_roof\": %.3f}",
                   tjson.empty() ? "" : ", ", t.kernel, t.min_ctx, ReadOnly(t.kernel) ? "read" : "copy",
-                  worst, best, worst_norm, goal, worst >= goal ? "true" : "false");
+                  worst, best, worst_norm, goal, worst >= goal ? "true" : "false", worst_roof, best_roof);
     tjson += line;
     std::snprintf(line, sizeof line,
                   "  %-11s ctx>=%-5d worst %.3f best %.3f of %s probe (cpu-normalized worst %.3f; "
-                  "target %.2f) %s\n",
+                  "target %.2f) %s; of roof (explanatory, not the target) worst %.3f best %.3f\n",
                   t.kernel, t.min_ctx, worst, best, ReadOnly(t.kernel) ? "read" : "copy", worst_norm,
-                  goal, worst >= goal ? "MET" : "NOT MET");
+                  goal, worst >= goal ? "MET" : "NOT MET", worst_roof, best_roof);
     ttext += line;
   }
 
@@ -489,7 +595,12 @@ int Main(int argc, char** argv) {
                 "fits_llc: the working set (kda: the states, half its bytes) is no larger than the "
                 "last-level cache (llc_bytes), so "
                 "that point may run from cache; targets count only points of >= "
-                "target_min_bytes (2x the LLC, at least 64 MiB).\",\n",
+                "target_min_bytes (2x the LLC, at least 64 MiB). "
+                "fraction_of_roof is explanatory, not the target: compute_roof_bytes_per_s = the fma "
+                "probe (fp32 FMA lanes/s, independent _mm256_fmadd_ps chains on every thread) / "
+                "fma_per_byte (the kernel's FMAs per counted byte from the math: gqa G/esz, mla "
+                "H*(576+512)/(576*esz), kda 0.5; exps, conversions and loads not counted), "
+                "roof_bytes_per_s = min(the probe fraction_of_probe uses, compute roof).\",\n",
                 probe_bytes);
     std::printf("  \"llc_bytes\": %zu, \"target_min_bytes\": %.0f, \"statistic\": \"%s\",\n", llc,
                 target_min_bytes, g_best ? "fastest repetition (--best)" : "median repetition");
@@ -499,11 +610,18 @@ int Main(int argc, char** argv) {
       std::printf("    {\"before\": \"%s\", \"copy\": {\"kind\": \"%s\", \"buffer_bytes\": %zu, "
                   "\"seconds\": %.6f, \"bytes_per_s\": %.4e, \"counts\": \"read+write\", "
                   "\"cpu_cores_used\": %.2f}, \"read\": {\"kind\": \"%s\", \"seconds\": %.6f, "
-                  "\"bytes_per_s\": %.4e, \"counts\": \"read\", \"cpu_cores_used\": %.2f}}%s\n",
+                  "\"bytes_per_s\": %.4e, \"counts\": \"read\", \"cpu_cores_used\": %.2f}, ",
                   probes[i].first.c_str(), gpu ? "device-to-device copy" : "parallel memcpy", probe_bytes,
                   pr.copy_s, pr.copy_bw, pr.copy_cores,
                   pr.has_read ? "parallel read (sum)" : "copy stands in (no read probe on this backend)",
-                  pr.read_s, pr.read_bw, pr.read_cores, i + 1 < probes.size() ? "," : "");
+                  pr.read_s, pr.read_bw, pr.read_cores);
+      if (pr.fma_lanes_per_s > 0) {
+        std::printf("\"fma\": {\"kind\": \"independent _mm256_fmadd_ps chains\", \"seconds\": %.6f, "
+                    "\"fma_lanes_per_s\": %.4e, \"cpu_cores_used\": %.2f}}%s\n",
+                    pr.fma_s, pr.fma_lanes_per_s, pr.fma_cores, i + 1 < probes.size() ? "," : "");
+      } else {
+        std::printf("\"fma\": null}%s\n", i + 1 < probes.size() ? "," : "");
+      }
     }
     std::printf("  ],\n  \"results\": [\n");
     for (size_t i = 0; i < results.size(); ++i) {
@@ -512,11 +630,16 @@ int Main(int argc, char** argv) {
       std::printf("    {\"kernel\": \"%s\", \"shape\": \"%s\", \"dtype\": \"%s\", \"batch\": %d, "
                   "\"context\": %d, \"bytes\": %.0f, \"seconds\": %.6f, \"bytes_per_s\": %.4e, "
                   "\"probe\": \"%s\", \"fraction_of_probe\": %.3f, \"fraction_of_copy\": %.3f, "
-                  "\"cpu_normalized_fraction\": %.3f, \"cpu_cores_used\": %.2f, \"fits_llc\": %s, "
+                  "\"cpu_normalized_fraction\": %.3f, \"cpu_cores_used\": %.2f, \"fma_per_byte\": %.3f, "
+                  "\"compute_roof_bytes_per_s\": %s, \"roof_bytes_per_s\": %.4e, \"bound\": \"%s\", "
+                  "\"fraction_of_roof\": %.3f, \"fits_llc\": %s, "
                   "\"counts_for_target\": %s}%s\n",
                   r.kernel.c_str(), r.shape.c_str(), r.kernel == "kda_decode" ? "fp32" : "bf16",
                   r.batch, r.context, r.bytes, r.seconds, r.bytes / r.seconds,
                   ReadOnly(r.kernel) ? "read" : "copy", f.of_probe, f.of_copy, f.cpu_normalized, r.cores,
+                  r.fma_per_byte, f.compute_roof > 0 ? Sci(f.compute_roof).c_str() : "null", f.roof,
+                  f.fma_bound ? "fma" : "memory",
+                  f.of_roof,
                   !gpu && WorkingSet(r) <= static_cast<double>(llc) ? "true" : "false",
                   r.bytes >= target_min_bytes ? "true" : "false",
                   i + 1 < results.size() ? "," : "");
@@ -525,30 +648,42 @@ int Main(int argc, char** argv) {
   } else {
     std::printf("backend %s (%s)\n", std::string(BackendName(o.backend)).c_str(), be->Describe().c_str());
     for (const auto& [family, pr] : probes) {
-      std::printf("probe before %-10s copy %.2f GB/s (read+write, %.2f cores), read %.2f GB/s (%.2f cores)\n",
-                  family.c_str(), pr.copy_bw / 1e9, pr.copy_cores, pr.read_bw / 1e9, pr.read_cores);
+      char fma[96] = "fma probe n/a";
+      if (pr.fma_lanes_per_s > 0) {
+        std::snprintf(fma, sizeof fma, "fma %.1f G lanes/s (%.2f cores)", pr.fma_lanes_per_s / 1e9, pr.fma_cores);
+      }
+      std::printf("probe before %-10s copy %.2f GB/s (read+write, %.2f cores), read %.2f GB/s (%.2f cores), %s\n",
+                  family.c_str(), pr.copy_bw / 1e9, pr.copy_cores, pr.read_bw / 1e9, pr.read_cores, fma);
     }
     std::printf("last-level cache %.1f MiB; statistic: %s; 'llc' column: in = working set fits the LLC "
                 "(may run from cache), out = exceeds it\n",
                 llc / 1048576.0, g_best ? "fastest repetition (--best)" : "median repetition");
-    std::printf("%-11s %-16s %6s %7s %10s %9s %9s %9s %9s %6s %4s\n", "kernel", "shape", "batch", "context", "MB",
-                "GB/s", "fraction", "of_copy", "cpu_norm", "cores", "llc");
+    std::printf("'roof' = min(probe, fma probe / fma_per_byte): explanatory, not the target; 'bound' = which "
+                "of the two is lower\n");
+    std::printf("%-11s %-16s %6s %7s %10s %9s %9s %9s %9s %6s %4s %7s %9s %8s %6s\n", "kernel", "shape", "batch",
+                "context", "MB", "GB/s", "fraction", "of_copy", "cpu_norm", "cores", "llc", "fma/B", "roofGB/s",
+                "of_roof", "bound");
     for (size_t i = 0; i < results.size(); ++i) {
       const auto& r = results[i];
       const Fractions f = fractions(i);
-      std::printf("%-11s %-16s %6d %7d %10.1f %9.2f %9.3f %9.3f %9.3f %6.2f %4s\n", r.kernel.c_str(), r.shape.c_str(),
-                  r.batch, r.context, r.bytes / 1e6, r.bytes / r.seconds / 1e9, f.of_probe, f.of_copy,
-                  f.cpu_normalized, r.cores, gpu ? "-" : (WorkingSet(r) <= static_cast<double>(llc) ? "in" : "out"));
+      std::printf("%-11s %-16s %6d %7d %10.1f %9.2f %9.3f %9.3f %9.3f %6.2f %4s %7.2f %9.2f %8.3f %6s\n",
+                  r.kernel.c_str(), r.shape.c_str(), r.batch, r.context, r.bytes / 1e6, r.bytes / r.seconds / 1e9,
+                  f.of_probe, f.of_copy, f.cpu_normalized, r.cores,
+                  gpu ? "-" : (WorkingSet(r) <= static_cast<double>(llc) ? "in" : "out"), r.fma_per_byte,
+                  f.roof / 1e9, f.of_roof, f.fma_bound ? "fma" : "mem");
     }
     std::printf("targets (working sets >= %.0f MiB = max(64 MiB, 2x LLC); gqa/mla vs the read probe, kda vs "
                 "the copy probe):\n%s",
                 target_min_bytes / 1048576.0, ttext.c_str());
   }
-  if (g_sink == 42) std::printf("\n");  // never true in practice; keeps the read probe's sums
+  if (g_sink == 42 || g_fma_sink == 42.f) std::printf("\n");  // never true in practice; keeps the read probe's sums
   return 0;
 }
 
 }  // namespace
 }  // namespace kvpool::kernels
 
-int main(int argc, char** argv) { return kvpool::kernels::Main(argc, argv); }
+int main(int argc, char** argv) {
+  kvpool::InitProcess();
+  return kvpool::kernels::Main(argc, argv);
+}

@@ -5,9 +5,9 @@
 // page is read once, front to back, for all q heads of its group (GQA) or all heads
 // (MLA). Partials merge per sequence in split order, so the result is independent of
 // the thread count.
-// Memory: the loops software-prefetch a fixed distance ahead, kSub tokens between two
+// Memory: the loops software-prefetch a fixed distance ahead, a few tokens between two
 // score sub-blocks (pages are scattered, so hardware prefetchers restart at every
-// page).
+// page), and read K whole token rows at a time (GQA: every kv head of a sub-block).
 // bf16 with dimensions % 16 == 0 uses the paired kernels (SimdOps::score_bf16p /
 // accum_bf16p) where the ISA has them: q is permuted once per split, accumulators stay
 // permuted until the split ends. Every score/accumulator element is summed in the same
@@ -73,20 +73,23 @@ inline void PrefetchLine(const char* p) {
 #endif
 }
 
-// Prefetches `bytes` from byte offset `at` of the slots of positions [p0, p1) into
+// Prefetches the whole rows (row_bytes each) of the slots of positions [p0, p1) into
 // cache. Pages of a sequence are scattered, so the hardware prefetcher restarts at
 // every page; the decode loops ask a fixed distance ahead, a few tokens at a time
 // between compute, so the core keeps misses in flight without a burst that overflows
-// its miss buffers.
-inline void PrefetchSlots(const SlotMap& map, int p0, int p1, const void* base, size_t row_bytes,
-                          size_t at, size_t bytes) {
-  for (int pos = p0; pos < p1; ++pos) {
-    // Every line of [p, p + bytes) once (a row not 64-byte aligned spans one more).
-    const uintptr_t p = reinterpret_cast<uintptr_t>(base) + map(pos) * row_bytes + at;
-    const uintptr_t last = (p + bytes - 1) & ~uintptr_t{63};
-    for (uintptr_t line = p & ~uintptr_t{63}; line <= last; line += 64) {
+// its miss buffers. Positions in one page are contiguous slots, so each page's run is
+// one byte range: one table lookup and one line loop per run, not per token (per-token
+// lookups and loops were ~20% of tiny-gqa's instructions, callgrind).
+inline void PrefetchRows(const SlotMap& map, int p0, int p1, const void* base, size_t row_bytes) {
+  for (int pos = p0; pos < p1;) {
+    const int run_end = std::min(p1, ((pos >> map.shift) + 1) << map.shift);
+    const uintptr_t p = reinterpret_cast<uintptr_t>(base) + map(pos) * row_bytes;
+    // Every line of [p, p + bytes) once (a range not 64-byte aligned spans one more).
+    const uintptr_t end = p + static_cast<size_t>(run_end - pos) * row_bytes;
+    for (uintptr_t line = p & ~uintptr_t{63}; line < end; line += 64) {
       PrefetchLine(reinterpret_cast<const char*>(line));
     }
+    pos = run_end;
   }
 }
 
@@ -95,8 +98,18 @@ inline void PrefetchSlots(const SlotMap& map, int p0, int p1, const void* base, 
 // of prefetches (4 tokens: 8-16 lines per stream) measured better than 16 tokens at
 // 8 KiB ahead on the shared 2-vCPU dev VM (noisy; see README).
 constexpr int kSub = 4;
-// GQA decode prefetches about this many bytes of K and of V ahead (tiny-gqa, 128-byte
-// head rows: 32 tokens; 256-byte rows: 16 tokens, one page of 16).
+
+// MLA tokens per score call and prefetch batch for `rows` heads: 2 for 3-7 heads on the
+// paired path (score_bf16p's token group there), so each pair's 36 prefetch lines go
+// out between two score calls instead of 72 at once (tiny-mla: +17-30% bytes per
+// CPU-second at >= 64 MiB, +34% single-thread; noisy VM, see README). With 8+ heads
+// one entry per call measured the same or a few % worse (deepseek-v3-tp8), so those
+// keep kSub. score_bf16p gives the same bits for any grouping; the generic-layout
+// kernels do not, so they keep kSub.
+inline int SubTokens(bool paired, int rows) { return paired && rows >= 3 && rows < 8 ? 2 : kSub; }
+
+// GQA decode prefetches about this many bytes of K and of V ahead, whole token rows
+// (tiny-gqa and llama-70b-tp8, 256-byte rows: 16 tokens, one page of 16).
 constexpr size_t kPrefetchBytes = 4096;
 // MLA decode prefetch distance in tokens (18 KiB of bf16 entries), far more than the
 // memory latency at >= 500 cycles of FMAs per entry.
@@ -173,6 +186,7 @@ inline void UnpairRows(const SimdOps& ops, float* acc, int R, int dv, std::vecto
 // Per-thread scratch reused across calls (pool threads live as long as the backend).
 struct Scratch {
   std::vector<float> qp, s, tmp;
+  std::vector<const void*> krows, vrows;
 };
 Scratch& ThreadScratch() {
   thread_local Scratch scratch;
@@ -205,39 +219,57 @@ void CpuGqaDecode(const CpuContext& cx, const GqaDecodeParams& p) {
       cx.ops->pair16(q, scr.qp.data(), Hq * d);  // rows of d, d % 16 == 0
       qp = scr.qp.data();
     }
-    scr.s.resize(static_cast<size_t>(kTile) * std::max(G, 16));
+    scr.s.resize(static_cast<size_t>(kTile) * std::max(Hq, 16));  // [Hkv][G][kTile]
     float* sbuf = scr.s.data();
     const SlotMap map(row, kv.page_size);
-    const size_t row_bytes = static_cast<size_t>(token_stride) * esz, head_bytes = d * esz;
-    // Prefetch distance: about kPrefetchBytes of each of K and V ahead (so the current
-    // tile and the prefetched lines fit L1 together), in whole sub-blocks, <= one tile.
-    const int ahead = std::clamp(static_cast<int>(kPrefetchBytes / head_bytes) / kSub * kSub, kSub, kTile);
+    const size_t row_bytes = static_cast<size_t>(token_stride) * esz;
+    // Prefetch distance: about kPrefetchBytes of each of K and V ahead, in whole
+    // sub-blocks, within [kSub, kTile] tokens.
+    const int ahead = std::clamp(static_cast<int>(kPrefetchBytes / row_bytes) / kSub * kSub, kSub, kTile);
+    // Row pointers per kv head: rows[h * kTile + t] (K in scr.krows, V in scr.vrows).
+    scr.krows.resize(static_cast<size_t>(Hkv) * kTile);
+    scr.vrows.resize(static_cast<size_t>(Hkv) * kTile);
+    const void** krows = scr.krows.data();
+    const void** vrows = scr.vrows.data();
     int64_t off[kTile];
-    const void* krows[kTile];
-    const void* vrows[kTile];
     for (int t0 = sp.t0; t0 < sp.t1; t0 += kTile) {
       const int T = std::min(kTile, sp.t1 - t0);
-      for (int t = 0; t < T; ++t) off[t] = map(t0 + t) * token_stride;
+      // Byte offsets of the tile's rows, then per head a plain add (a loop the compiler
+      // vectorizes; the pointer setup was ~15% of tiny-gqa's instructions per token).
+      for (int t = 0; t < T; ++t) off[t] = map(t0 + t) * static_cast<int64_t>(row_bytes);
       for (int h = 0; h < Hkv; ++h) {
+        const char* kh = static_cast<const char*>(kv.k) + static_cast<size_t>(h) * d * esz;
+        const char* vh = static_cast<const char*>(kv.v) + static_cast<size_t>(h) * d * esz;
         for (int t = 0; t < T; ++t) {
-          krows[t] = static_cast<const char*>(kv.k) + (off[t] + int64_t{h} * d) * esz;
-          vrows[t] = static_cast<const char*>(kv.v) + (off[t] + int64_t{h} * d) * esz;
+          krows[h * kTile + t] = kh + off[t];
+          vrows[h * kTile + t] = vh + off[t];
         }
-        const SoftmaxRows st{G, d, all.m + h * G, all.l + h * G, all.acc + int64_t{h} * G * d};
-        // Scores in sub-blocks of kSub tokens; between them, prefetch this head's K and
-        // V rows `ahead` tokens ahead (the score kernels give every score the same bits
-        // however its tokens are grouped).
-        for (int u = 0; u < T; u += kSub) {
-          const int n = std::min(kSub, T - u);
-          const int pf0 = t0 + ahead + u, pf1 = std::min(sp.t1, pf0 + kSub);
-          if (pf0 < pf1) {
-            PrefetchSlots(map, pf0, pf1, kv.k, row_bytes, h * head_bytes, head_bytes);
-            PrefetchSlots(map, pf0, pf1, kv.v, row_bytes, h * head_bytes, head_bytes);
-          }
+      }
+      // Scores in sub-blocks of kSub tokens, every kv head per sub-block, so K is read
+      // a whole token row (all heads) at a time, front to back through each page; a
+      // pass per head over the tile instead strides through the rows (head 0's half,
+      // then head 1's), which at 256 MiB, as a plain read without math, ran at
+      // ~0.5-0.7 of a contiguous read against ~0.8-1.0 row by row (dev VM). Between
+      // sub-blocks, prefetch whole K and V rows `ahead` tokens ahead. (Scores get the
+      // same bits in sub-blocks of kSub tokens as over the whole tile.)
+      for (int u = 0; u < T; u += kSub) {
+        const int n = std::min(kSub, T - u);
+        const int pf0 = t0 + ahead + u, pf1 = std::min(sp.t1, pf0 + kSub);
+        if (pf0 < pf1) {
+          PrefetchRows(map, pf0, pf1, kv.k, row_bytes);
+          PrefetchRows(map, pf0, pf1, kv.v, row_bytes);
+        }
+        for (int h = 0; h < Hkv; ++h) {
           ScoreRows(*cx.ops, paired, q + int64_t{h} * G * d, paired ? qp + int64_t{h} * G * d : nullptr,
-                    G, d, krows + u, elem, n, p.scale, sbuf + u);
+                    G, d, krows + h * kTile + u, elem, n, p.scale, sbuf + int64_t{h} * G * kTile + u);
         }
-        FoldTileAny(*cx.ops, paired, st, T, sbuf, vrows, elem);
+      }
+      // V per head over the tile; its rows were prefetched with K's, so they come
+      // from cache. (Prefetching V instead while the previous tile accumulated, in
+      // chunks of 16 tokens, measured ~25% slower for llama-70b-tp8.)
+      for (int h = 0; h < Hkv; ++h) {
+        const SoftmaxRows st{G, d, all.m + h * G, all.l + h * G, all.acc + int64_t{h} * G * d};
+        FoldTileAny(*cx.ops, paired, st, T, sbuf + int64_t{h} * G * kTile, vrows + h * kTile, elem);
       }
     }
     if (paired) UnpairRows(*cx.ops, all.acc, Hq, d, &scr.tmp);
@@ -272,15 +304,17 @@ void CpuMlaDecodeAbsorbed(const CpuContext& cx, const MlaDecodeParams& p) {
       cx.ops->pair16(q, scr.qp.data(), H * entry);  // rows of 576 = 36 x 16
       qp = scr.qp.data();
     }
+    const int sub = SubTokens(paired, H);
     const void* rows[kTile];
     for (int t0 = sp.t0; t0 < sp.t1; t0 += kTile) {
       const int T = std::min(kTile, sp.t1 - t0);
       for (int t = 0; t < T; ++t) rows[t] = static_cast<const char*>(kv.entries) + map(t0 + t) * row_bytes;
-      // Entries are 1152 bytes (bf16): prefetch kMlaAhead tokens ahead, kSub at a time.
-      for (int u = 0; u < T; u += kSub) {
-        const int n = std::min(kSub, T - u);
-        const int pf0 = t0 + u + kMlaAhead, pf1 = std::min(sp.t1, pf0 + kSub);
-        if (pf0 < pf1) PrefetchSlots(map, pf0, pf1, kv.entries, row_bytes, 0, row_bytes);
+      // Entries are 1152 bytes (bf16, 18 lines): prefetch kMlaAhead tokens ahead, `sub`
+      // tokens at a time.
+      for (int u = 0; u < T; u += sub) {
+        const int n = std::min(sub, T - u);
+        const int pf0 = t0 + u + kMlaAhead, pf1 = std::min(sp.t1, pf0 + sub);
+        if (pf0 < pf1) PrefetchRows(map, pf0, pf1, kv.entries, row_bytes);
         ScoreRows(*cx.ops, paired, q, qp, H, entry, rows + u, elem, n, p.scale, s + u);
       }
       // V = the first 512 of each entry; paired blocks of the latent are the entry's.
