@@ -115,15 +115,17 @@ absl::Status WorkerImpl::Submit(const std::shared_ptr<EndpointImpl>& ep, Directi
       if (ro == rx[ri].len) ++ri, ro = 0;
     }
   }
+  std::vector<std::pair<BatchCallback, absl::Status>> ready;
   {
-    absl::MutexLock l(&ucx_mu_);
+    CallerLock l(this);
     if (closed_) return absl::UnavailableError("transport worker is shut down");
     const uint64_t id = next_batch_;
     StartBatch(std::move(b));
     // The progress thread may be asleep in epoll: wake it for what is left.
     if (batches_.contains(id)) ucp_worker_signal(worker_);
+    ready.swap(ready_);  // what finished (this batch, inline on shared memory), run below
   }
-  RunCallbacks();
+  for (auto& [fn, status] : ready) fn(std::move(status));
   return absl::OkStatus();
 }
 

@@ -213,8 +213,9 @@ struct WorkerOptions {
   // A batch still running after this long fails with DEADLINE_EXCEEDED (its endpoint is
   // then closed: UCX cannot cancel a started RMA).
   absl::Duration batch_timeout = absl::Seconds(30);
-  // The progress thread polls without sleeping for this long after the last progress
-  // while transfers are in flight, then sleeps in epoll. 0: always sleep.
+  // The progress thread polls without sleeping while transfers are in flight (until
+  // 20 ms pass without an event) and for this long after the last event, then sleeps in
+  // epoll. 0: no polling, always sleep between events.
   absl::Duration spin = absl::Microseconds(200);
 };
 
