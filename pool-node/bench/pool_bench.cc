@@ -2,18 +2,19 @@
 // same run (see pool-node/README.md for what each figure means).
 //
 //   put/get 1 MiB objects through the whole node path (Reserve/Lookup RPC + UCX + Commit/
-//     Release) over shared memory   vs  memcpy of the same bytes spread over the arenas
+//     Release) over shared memory   vs  memcpy of the same bytes spread over the arenas,
+//                                       and that memcpy with XXH3 fused (the client's floor)
 //   the same over TCP loopback      vs  ucx_perftest -t ucp_am_bw (UCX_TLS=tcp)
 //   NVMe tier write (demotion) and read (promotion + checksum)
 //                                   vs  fio, O_DIRECT, io_uring, QD 32, same dir and bs
-//   Lookup of 128 hashes over loopback gRPC: p50 / p99
+//   Lookup of 128 hashes over loopback gRPC: p50 / p99, next to an empty RPC's p50
 //
 // Node-path figures move kBatch (64) objects per Put / Lookup+Get call, as a worker does
 // with a whole request's blocks; rounds are interleaved with the memcpy baseline and
 // the best of each is kept (every round is printed).
 //
 // Usage: pool_bench [--json] [--dir /tmp] [--mib 512] [--skip-tcp] [--skip-fio]
-//                   [--put-pipeline-mib 8]
+//                   [--put-pipeline-mib 8] [--lookup-only [--node host:port]]
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -30,6 +31,7 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_format.h"
+#include "kvpool/common/service_main.h"
 #include "kvpool/pool_node/client.h"
 #include "kvpool/pool_node/node_server.h"
 #include "kvpool/transport/transport.h"
@@ -53,6 +55,18 @@ constexpr int kRounds = 3;  // node path and memcpy each measured kRounds times,
 
 double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
+// CPU seconds of this process (all threads: client, node, gRPC) so far.
+double ProcessCpuSeconds() {
+  timespec t;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return t.tv_sec + t.tv_nsec / 1e9;
+}
+
+double LoadAverage() {
+  double l[1] = {0};
+  return getloadavg(l, 1) == 1 ? l[0] : -1;
+}
+
 BlockHash Hash(uint64_t round, uint64_t i) { return BlockHash{i * 0x9E3779B97F4A7C15ull + 1, round + 0x5151}; }
 
 std::string Run(const std::string& cmd) {
@@ -73,6 +87,7 @@ struct Node {
 };
 
 uint64_t g_put_pipeline_bytes = PoolClientOptions{}.put_pipeline_bytes;
+std::string g_node_address;  // --node: an external kvpool-node (Lookup latency only)
 
 Node StartNode(uint64_t dram, const std::string& nvme_dir, uint64_t nvme, uint64_t client_bytes) {
   Node n;
@@ -84,12 +99,14 @@ Node StartNode(uint64_t dram, const std::string& nvme_dir, uint64_t nvme, uint64
   cfg.pool.nvme_dir = nvme_dir;
   cfg.pool.nvme_bytes = nvme;
   cfg.pool.background = false;
-  auto s = NodeServer::Start(cfg);
-  if (!s.ok()) {
-    std::cerr << "node: " << s.status() << "\n";
-    std::exit(1);
+  if (g_node_address.empty()) {
+    auto s = NodeServer::Start(cfg);
+    if (!s.ok()) {
+      std::cerr << "node: " << s.status() << "\n";
+      std::exit(1);
+    }
+    n.server = std::move(*s);
   }
-  n.server = std::move(*s);
   auto ctx = transport::Context::Create();
   auto w = transport::Worker::Create(*ctx);
   n.worker = std::move(*w);
@@ -97,7 +114,7 @@ Node StartNode(uint64_t dram, const std::string& nvme_dir, uint64_t nvme, uint64
   std::memset(n.arena->base(), 0x3c, client_bytes);
   for (uint64_t i = 0; i < client_bytes; i += 4096) n.arena->base()[i] = std::byte(i >> 12);
   PoolClientOptions co;
-  co.node_address = "127.0.0.1:" + std::to_string(n.server->port());
+  co.node_address = n.server ? "127.0.0.1:" + std::to_string(n.server->port()) : g_node_address;
   co.client_id = "bench";
   co.worker = n.worker.get();
   co.local_arena = n.arena;
@@ -111,8 +128,13 @@ Node StartNode(uint64_t dram, const std::string& nvme_dir, uint64_t nvme, uint64
   return n;
 }
 
-// Puts then gets `objects` 1 MiB objects through the node; returns {put GB/s, get GB/s}.
-std::pair<double, double> NodePath(Node& n, uint64_t objects, uint64_t round) {
+struct PathResult {
+  double put_GBps = 0, get_GBps = 0;
+  double put_cpus = 0, get_cpus = 0;  // CPUs this process kept busy (client + node + gRPC)
+};
+
+// Puts then gets `objects` 1 MiB objects through the node.
+PathResult NodePath(Node& n, uint64_t objects, uint64_t round) {
   const uint64_t local_objects = n.arena->size() / kObject;
   auto local_pages = [&](uint64_t i) {
     std::vector<uint64_t> p;
@@ -120,6 +142,7 @@ std::pair<double, double> NodePath(Node& n, uint64_t objects, uint64_t round) {
     for (uint64_t k = 0; k < kPagesPerObject; ++k) p.push_back(first + k);
     return p;
   };
+  const double cpu0 = ProcessCpuSeconds();
   const auto t0 = Clock::now();
   for (uint64_t i = 0; i < objects; i += kBatch) {
     std::vector<PutItem> items;
@@ -133,6 +156,7 @@ std::pair<double, double> NodePath(Node& n, uint64_t objects, uint64_t round) {
     }
   }
   const auto t1 = Clock::now();
+  const double cpu1 = ProcessCpuSeconds();
   for (uint64_t i = 0; i < objects; i += kBatch) {
     std::vector<BlockHash> chain;
     std::vector<std::vector<uint64_t>> dst;
@@ -153,8 +177,10 @@ std::pair<double, double> NodePath(Node& n, uint64_t objects, uint64_t round) {
     n.client->ReleaseAsync(lease->lease_id);  // what a worker does: no need to wait
   }
   const auto t2 = Clock::now();
+  const double cpu2 = ProcessCpuSeconds();
   const double bytes = static_cast<double>(objects * kObject);
-  return {bytes / Seconds(t0, t1) / 1e9, bytes / Seconds(t1, t2) / 1e9};
+  return {bytes / Seconds(t0, t1) / 1e9, bytes / Seconds(t1, t2) / 1e9,
+          (cpu1 - cpu0) / Seconds(t0, t1), (cpu2 - cpu1) / Seconds(t1, t2)};
 }
 
 // memcpy of the same bytes between the two arenas, object by object, spread like NodePath.
@@ -169,6 +195,34 @@ double Memcpy(Node& n, uint64_t objects) {
     std::memcpy(dst + ((i * 7 + rep) % dst_objects) * kObject, n.arena->base() + (i % src_objects) * kObject, kObject);
   }
   return 1.0 * objects * kObject / Seconds(t0, Clock::now()) / 1e9;
+}
+
+// The least work the node path can do per byte while it keeps its checksums: the same
+// memcpy with XXH3 fused over each 16 KiB piece while it is in cache (what the client
+// thread does on the shared-memory path; the node's verification comes on top).
+double MemcpyXxh3(Node& n, uint64_t objects) {
+  constexpr uint64_t kPiece = 16 << 10;
+  std::byte* dst = n.server->core().arena_base();
+  const uint64_t dst_objects = n.server->core().arena_bytes() / kObject;
+  const uint64_t src_objects = n.arena->size() / kObject;
+  static int rep = 0;
+  ++rep;
+  XXH3_state_t* st = XXH3_createState();
+  uint64_t sink = 0;
+  const auto t0 = Clock::now();
+  for (uint64_t i = 0; i < objects; ++i) {
+    std::byte* d = dst + ((i * 5 + rep) % dst_objects) * kObject;
+    const std::byte* src = n.arena->base() + (i % src_objects) * kObject;
+    XXH3_64bits_reset(st);
+    for (uint64_t off = 0; off < kObject; off += kPiece) {
+      std::memcpy(d + off, src + off, kPiece);
+      XXH3_64bits_update_dispatch(st, src + off, kPiece);
+    }
+    sink ^= XXH3_64bits_digest(st);
+  }
+  const double gbps = 1.0 * objects * kObject / Seconds(t0, Clock::now()) / 1e9;
+  XXH3_freeState(st);
+  return gbps + (sink == 42 ? 1e-12 : 0);
 }
 
 double UcxPerftestAmBw(int port) {
@@ -281,7 +335,15 @@ nlohmann::json Breakdown(Node& n, uint64_t objects) {
           {"lanes", (*ep)->Describe()}};
 }
 
-std::pair<double, double> LookupLatency(Node& n, int iterations) {
+double P(std::vector<double>& v, double q) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[static_cast<size_t>(q * (v.size() - 1))];
+}
+
+// Lookup of a 128-hash chain (all present) over loopback gRPC, next to the same-run
+// floors it is made of: an RPC that carries nothing (GetStats), a 1-hash Lookup, and
+// PoolCore::Lookup of the 128 hashes in-process (no RPC; absent with --node).
+nlohmann::json LookupLatency(Node& n, int iterations) {
   std::vector<PutItem> items;
   std::vector<BlockHash> chain;
   std::optional<BlockHash> parent;
@@ -293,17 +355,37 @@ std::pair<double, double> LookupLatency(Node& n, int iterations) {
   for (size_t i = 0; i < items.size(); i += 32) {
     if (!n.client->Put(std::span(items).subspan(i, 32)).ok()) std::exit(1);
   }
-  std::vector<double> us;
+  auto us = [](Clock::time_point a, Clock::time_point b) { return Seconds(a, b) * 1e6; };
+  std::vector<double> l128, l1, empty, core;
   for (int i = 0; i < iterations; ++i) {
-    const auto t0 = Clock::now();
+    auto t0 = Clock::now();
     auto lease = n.client->Lookup(chain);
-    const auto t1 = Clock::now();
+    l128.push_back(us(t0, Clock::now()));
     if (!lease.ok() || lease->prefix_blocks != 128) std::exit(1);
-    us.push_back(Seconds(t0, t1) * 1e6);
     (void)n.client->Release(lease->lease_id);
+    t0 = Clock::now();
+    auto one = n.client->Lookup(std::span(chain).subspan(0, 1));
+    l1.push_back(us(t0, Clock::now()));
+    if (!one.ok()) std::exit(1);
+    (void)n.client->Release(one->lease_id);
+    t0 = Clock::now();
+    (void)n.client->GetStats();
+    empty.push_back(us(t0, Clock::now()));
+    if (n.server) {
+      LookupSpec spec;
+      spec.hashes = chain;
+      t0 = Clock::now();
+      auto a = n.server->core().Lookup(spec);
+      core.push_back(us(t0, Clock::now()));
+      (void)n.server->core().Release(a->lease_id);
+    }
   }
-  std::sort(us.begin(), us.end());
-  return {us[us.size() / 2], us[us.size() * 99 / 100]};
+  nlohmann::json j = {{"p50_us", P(l128, 0.5)}, {"p99_us", P(l128, 0.99)}, {"iterations", iterations},
+                      {"lookup_1_p50_us", P(l1, 0.5)}, {"empty_rpc_p50_us", P(empty, 0.5)},
+                      {"method", "one 128-hash Lookup (all present) per iteration, then Release; "
+                                 "empty_rpc = GetStats on the same channel; core = PoolCore::Lookup in-process"}};
+  if (!core.empty()) j["core_p50_us"] = P(core, 0.5);
+  return j;
 }
 
 }  // namespace
@@ -311,8 +393,12 @@ std::pair<double, double> LookupLatency(Node& n, int iterations) {
 
 int main(int argc, char** argv) {
   using namespace kvpool::pool_node;
+  // As kvpool-node's main does (RunServiceMain): without it every absl::Mutex operation
+  // of the node, the client and gRPC in this process updates absl's deadlock graph, a
+  // cost the node binary does not pay and the memcpy baseline never sees.
+  kvpool::InitProcess();
   CLI::App app{"pool_bench"};
-  bool json = false, skip_tcp = false, skip_fio = false;
+  bool json = false, skip_tcp = false, skip_fio = false, lookup_only = false;
   std::string dir = "/tmp";
   uint64_t mib = 512;
   app.add_flag("--json", json, "print one JSON object");
@@ -320,40 +406,61 @@ int main(int argc, char** argv) {
   app.add_option("--mib", mib, "MiB moved per measurement");
   app.add_flag("--skip-tcp", skip_tcp, "skip the TCP loopback comparison");
   app.add_flag("--skip-fio", skip_fio, "skip the NVMe comparison");
+  app.add_option("--node", g_node_address, "external kvpool-node host:port (with --lookup-only)");
+  app.add_flag("--lookup-only", lookup_only, "only the Lookup latency section (e.g. under perf)");
   uint64_t pipeline_mib = g_put_pipeline_bytes >> 20;
   app.add_option("--put-pipeline-mib", pipeline_mib, "PoolClientOptions::put_pipeline_bytes, MiB");
   CLI11_PARSE(app, argc, argv);
   g_put_pipeline_bytes = pipeline_mib << 20;
+  if (!g_node_address.empty() && !lookup_only) {
+    std::cerr << "--node measures only Lookup latency; add --lookup-only\n";
+    return 2;
+  }
   nlohmann::json out;
+  const uint64_t dram = 2 * mib << 20, client = std::min<uint64_t>(mib, 512) << 20;
+  if (lookup_only) {
+    Node n = StartNode(dram, "", 0, client);
+    out["lookup_128"] = LookupLatency(n, 2000);
+    out["lookup_128"]["load1"] = LoadAverage();
+    std::cout << out.dump(2) << "\n";
+    return 0;
+  }
   const std::string nvme_dir = dir + "/kvpool-bench-" + std::to_string(getpid());
   std::filesystem::create_directories(nvme_dir);
-  const uint64_t dram = 2 * mib << 20, client = std::min<uint64_t>(mib, 512) << 20;
   {
     Node n = StartNode(dram, "", 0, client);
     // Interleaved, so that both see the same machine load; best of kRounds each.
-    double put = 0, get = 0, mc = 0;
+    double put = 0, get = 0, mc = 0, mx = 0;
     nlohmann::json rounds = nlohmann::json::array();
     for (int r = 0; r < kRounds; ++r) {
-      auto [p, g] = NodePath(n, mib, 1 + r);
+      const PathResult p = NodePath(n, mib, 1 + r);
       const double m = Memcpy(n, mib);
-      rounds.push_back({{"put_GBps", p}, {"get_GBps", g}, {"memcpy_GBps", m}});
-      put = std::max(put, p);
-      get = std::max(get, g);
+      const double x = MemcpyXxh3(n, mib);
+      rounds.push_back({{"put_GBps", p.put_GBps}, {"get_GBps", p.get_GBps}, {"memcpy_GBps", m},
+                        {"memcpy_xxh3_GBps", x}, {"put_cpus", p.put_cpus}, {"get_cpus", p.get_cpus},
+                        {"load1", LoadAverage()}});
+      put = std::max(put, p.put_GBps);
+      get = std::max(get, p.get_GBps);
       mc = std::max(mc, m);
+      mx = std::max(mx, x);
     }
     out["shm"] = {{"object_bytes", kObject}, {"objects", mib}, {"objects_per_call", kBatch},
                   {"put_pipeline_bytes", g_put_pipeline_bytes},
                   {"put_GBps", put}, {"get_GBps", get}, {"memcpy_GBps", mc},
-                  {"put_vs_memcpy", put / mc}, {"get_vs_memcpy", get / mc}, {"rounds", rounds},
+                  {"put_vs_memcpy", put / mc}, {"get_vs_memcpy", get / mc},
+                  {"memcpy_xxh3_GBps", mx}, {"put_vs_memcpy_xxh3", put / mx},
+                  {"get_vs_memcpy_xxh3", get / mx}, {"rounds", rounds},
                   {"method", "whole node path per call of objects_per_call objects: put = Reserve + "
                              "copy with XXH3 + Commit (node verifies XXH3), pipelined in put_pipeline_bytes pieces; "
                              "get = Lookup + copy with XXH3 check + async Release. Baseline: memcpy of the "
                              "same bytes between the same arenas, same process, interleaved with the "
-                             "rounds; best of each"},
+                             "rounds; best of each. memcpy_xxh3: the same copy with XXH3 fused per 16 KiB "
+                             "(the client thread's share of the work; the node's verification is extra). "
+                             "put_cpus/get_cpus: CPUs the process kept busy; load1: uptime's 1-min load"},
                   {"ucx_transports", "UCX_TLS as set in the environment (default: all; sm/cma on one host)"}};
     out["shm"]["breakdown"] = Breakdown(n, mib);
-    auto [lp50, lp99] = LookupLatency(n, 2000);
-    out["lookup_128"] = {{"p50_us", lp50}, {"p99_us", lp99}, {"iterations", 2000}};
+    out["lookup_128"] = LookupLatency(n, 2000);
+    out["lookup_128"]["load1"] = LoadAverage();
   }
   if (!skip_fio) {
     // A fresh node whose DRAM holds exactly the objects: Demote moves all of them.
@@ -374,9 +481,9 @@ int main(int argc, char** argv) {
     Node n = StartNode(dram, "", 0, client);
     double put = 0, get = 0;
     for (int r = 0; r < 2; ++r) {
-      auto [p, g] = NodePath(n, objs, 10 + r);
-      put = std::max(put, p);
-      get = std::max(get, g);
+      const PathResult p = NodePath(n, objs, 10 + r);
+      put = std::max(put, p.put_GBps);
+      get = std::max(get, p.get_GBps);
     }
     out["tcp_breakdown"] = Breakdown(n, objs);
     double am = 0;

@@ -77,6 +77,7 @@ struct NodeServer::State {
 
   ~State() {
     if (server) server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    if (service) service->Drain();  // Lookups waiting for NVMe use the core: before it goes
     http.reset();
     publisher.reset();  // stops its thread (which reads core) before core goes
     core.reset();       // lives in arena's memory

@@ -342,6 +342,19 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
   {
     absl::MutexLock l(&im.mu_);
     im.ExpireLocked(im.clock_->NowMs());
+    if (spec.never_block) {  // the same walk as below, changing nothing
+      for (const BlockHash& h : spec.hashes) {
+        const Object* o = im.Find(ObjectKey{h, spec.kind});
+        if (!visible(o)) {
+          if (spec.allow_gaps) continue;
+          break;
+        }
+        if (!o->copy[kD] && (o->promotion != nullptr || !o->nvme_busy)) {
+          return absl::UnavailableError(absl::StrCat(
+              "block ", h.ToHex(), " must be read from NVMe first; Lookup again without never_block"));
+        }
+      }
+    }
     for (const BlockHash& h : spec.hashes) {
       const ObjectKey key{h, spec.kind};
       Object* o = im.Find(key);

@@ -47,28 +47,86 @@ void FillStats(const PoolStatsSnapshot& s, v1::PoolStats* out) {
   out->set_reserved_bytes(s.reserved_bytes);
 }
 
-PoolNodeService::PoolNodeService(PoolCore* core, ConnectInfo info, MetricsRegistry* metrics)
-    : core_(core), info_(std::move(info)), metrics_(metrics) {
-  lookup_seconds_ = &metrics_->GetHistogram("kvpool_pool_lookup_seconds", "Lookup handling time",
-                                            Histogram::ExponentialBounds(1e-5, 2, 20));
+namespace {
+constexpr const char* kMethodNames[] = {"Connect", "Lookup", "Reserve", "Commit", "Release", "GetStats"};
+constexpr const char* kRpcsTotal = "kvpool_pool_rpcs_total";
+constexpr const char* kRpcsTotalHelp = "PoolNode RPCs by method and code";
+}  // namespace
+
+BlockingPool::BlockingPool(int threads) {
+  for (int i = 0; i < threads; ++i) {
+    threads_.emplace_back([this] {
+      for (;;) {
+        std::function<void()> fn;
+        {
+          absl::MutexLock l(&mu_);
+          mu_.Await(absl::Condition(this, &BlockingPool::HasWorkOrStop));
+          if (queue_.empty()) return;  // stopping, nothing left
+          fn = std::move(queue_.front());
+          queue_.pop_front();
+        }
+        fn();
+      }
+    });
+  }
 }
 
-grpc::Status PoolNodeService::Done(absl::string_view method, const absl::Status& s) {
+BlockingPool::~BlockingPool() {
+  {
+    absl::MutexLock l(&mu_);
+    stop_ = true;
+  }
+  for (std::thread& t : threads_) t.join();
+}
+
+void BlockingPool::Run(std::function<void()> fn) {
+  absl::MutexLock l(&mu_);
+  queue_.push_back(std::move(fn));
+}
+
+PoolNodeService::PoolNodeService(PoolCore* core, ConnectInfo info, MetricsRegistry* metrics)
+    : core_(core), info_(std::move(info)), metrics_(metrics), blocking_(std::make_unique<BlockingPool>(4)) {
+  lookup_seconds_ = &metrics_->GetHistogram("kvpool_pool_lookup_seconds", "Lookup handling time",
+                                            Histogram::ExponentialBounds(1e-5, 2, 20));
+  for (int m = 0; m < kNumMethods; ++m) {
+    ok_calls_[m] = &metrics_->GetCounter(kRpcsTotal, kRpcsTotalHelp,
+                                         {{"method", kMethodNames[m]}, {"code", "OK"}});
+  }
+}
+
+grpc::Status PoolNodeService::Done(Method method, const absl::Status& s) {
+  if (s.ok()) {
+    ok_calls_[method]->Increment();
+    return grpc::Status::OK;
+  }
   metrics_
-      ->GetCounter("kvpool_pool_rpcs_total", "PoolNode RPCs by method and code",
-                   {{"method", std::string(method)}, {"code", absl::StatusCodeToString(s.code())}})
+      ->GetCounter(kRpcsTotal, kRpcsTotalHelp,
+                   {{"method", kMethodNames[method]}, {"code", absl::StatusCodeToString(s.code())}})
       .Increment();
   return ToGrpcStatus(s);
 }
 
-grpc::Status PoolNodeService::Connect(grpc::ServerContext*, const v1::ConnectRequest* req,
-                                      v1::ConnectResponse* resp) {
+namespace {
+grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* ctx, grpc::Status s) {
+  grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
+  r->Finish(std::move(s));
+  return r;
+}
+}  // namespace
+
+grpc::ServerUnaryReactor* PoolNodeService::Connect(grpc::CallbackServerContext* ctx,
+                                                   const v1::ConnectRequest* req,
+                                                   v1::ConnectResponse* resp) {
+  return Answer(ctx, DoConnect(req, resp));
+}
+
+grpc::Status PoolNodeService::DoConnect(const v1::ConnectRequest* req, v1::ConnectResponse* resp) {
   if (req->client_id().empty() || req->client_id().size() > 128) {
-    return Done("Connect", absl::InvalidArgumentError(absl::StrCat(
+    return Done(kConnect, absl::InvalidArgumentError(absl::StrCat(
                                "client_id is ", req->client_id().size(), " bytes; give 1..128")));
   }
   if (req->ucx_worker_address().size() > (64u << 10)) {
-    return Done("Connect", absl::InvalidArgumentError("ucx_worker_address exceeds 64 KiB"));
+    return Done(kConnect, absl::InvalidArgumentError("ucx_worker_address exceeds 64 KiB"));
   }
   resp->set_node_id(info_.node_id);
   resp->set_ucx_worker_address(info_.ucx_worker_address);
@@ -77,7 +135,7 @@ grpc::Status PoolNodeService::Connect(grpc::ServerContext*, const v1::ConnectReq
   resp->set_arena_base(info_.arena_base);
   resp->set_page_bytes(core_->page_bytes());
   resp->set_num_pages(core_->dram_pages());
-  return Done("Connect", absl::OkStatus());
+  return Done(kConnect, absl::OkStatus());
 }
 
 namespace {
@@ -85,8 +143,10 @@ absl::Status ParseHashes(const google::protobuf::RepeatedPtrField<std::string>& 
                          std::vector<BlockHash>* out) {
   out->reserve(in.size());
   for (int i = 0; i < in.size(); ++i) {
-    ASSIGN_OR_RETURN(BlockHash h, BlockHash::FromBytes(in[i], absl::StrCat("block_hashes[", i, "]")));
-    out->push_back(h);
+    // The field name is built only on error: no allocation per hash.
+    absl::StatusOr<BlockHash> h = BlockHash::FromBytes(in[i], "block_hashes[]");
+    if (!h.ok()) return BlockHash::FromBytes(in[i], absl::StrCat("block_hashes[", i, "]")).status();
+    out->push_back(*h);
   }
   return absl::OkStatus();
 }
@@ -98,8 +158,9 @@ void FillRun(const PageRunDesc& run, v1::PageRun* out) {
 }
 }  // namespace
 
-grpc::Status PoolNodeService::Lookup(grpc::ServerContext*, const v1::LookupRequest* req,
-                                     v1::LookupResponse* resp) {
+grpc::ServerUnaryReactor* PoolNodeService::Lookup(grpc::CallbackServerContext* ctx,
+                                                  const v1::LookupRequest* req,
+                                                  v1::LookupResponse* resp) {
   const auto start = std::chrono::steady_clock::now();
   LookupSpec spec;
   absl::Status s = ParseHashes(req->block_hashes(), &spec.hashes);
@@ -108,11 +169,25 @@ grpc::Status PoolNodeService::Lookup(grpc::ServerContext*, const v1::LookupReque
     if (!kind.ok()) s = kind.status();
     else spec.kind = *kind;
   }
-  if (!s.ok()) return Done("Lookup", s);
+  if (!s.ok()) return Answer(ctx, Done(kLookup, s));
   spec.lease_ms = req->lease_ms();
   spec.allow_gaps = req->allow_gaps();
-  auto ans = core_->Lookup(spec);
-  if (!ans.ok()) return Done("Lookup", ans.status());
+  spec.never_block = true;
+  absl::StatusOr<LookupAnswer> ans = core_->Lookup(spec);
+  if (absl::IsUnavailable(ans.status())) {  // needs NVMe reads: not on this thread
+    grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
+    spec.never_block = false;
+    blocking_->Run([this, r, resp, start, spec = std::move(spec)] {
+      r->Finish(FinishLookup(core_->Lookup(spec), resp, start));
+    });
+    return r;
+  }
+  return Answer(ctx, FinishLookup(std::move(ans), resp, start));
+}
+
+grpc::Status PoolNodeService::FinishLookup(absl::StatusOr<LookupAnswer> ans, v1::LookupResponse* resp,
+                                           std::chrono::steady_clock::time_point start) {
+  if (!ans.ok()) return Done(kLookup, ans.status());
   resp->set_prefix_blocks(ans->prefix_blocks);
   resp->set_lease_id(ans->lease_id);
   resp->set_lease_expires_unix_ms(ans->lease_expires_unix_ms);
@@ -126,7 +201,7 @@ grpc::Status PoolNodeService::Lookup(grpc::ServerContext*, const v1::LookupReque
     o->set_checksum(d.checksum);
   }
   lookup_seconds_->Observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-  return Done("Lookup", absl::OkStatus());
+  return Done(kLookup, absl::OkStatus());
 }
 
 grpc::Status PoolNodeService::Reserve(grpc::ServerContext*, const v1::ReserveRequest* req,
@@ -137,21 +212,21 @@ grpc::Status PoolNodeService::Reserve(grpc::ServerContext*, const v1::ReserveReq
     const v1::ReserveEntry& e = req->entries(i);
     ReserveEntrySpec spec;
     auto h = BlockHash::FromBytes(e.block_hash(), absl::StrCat("entries[", i, "].block_hash"));
-    if (!h.ok()) return Done("Reserve", h.status());
+    if (!h.ok()) return Done(kReserve, h.status());
     spec.hash = *h;
     if (!e.parent_hash().empty()) {
       auto p = BlockHash::FromBytes(e.parent_hash(), absl::StrCat("entries[", i, "].parent_hash"));
-      if (!p.ok()) return Done("Reserve", p.status());
+      if (!p.ok()) return Done(kReserve, p.status());
       spec.parent = *p;
     }
     auto kind = FromProto(e.kind(), absl::StrCat("entries[", i, "].kind"));
-    if (!kind.ok()) return Done("Reserve", kind.status());
+    if (!kind.ok()) return Done(kReserve, kind.status());
     spec.kind = *kind;
     spec.length = e.length();
     entries.push_back(spec);
   }
   auto r = core_->Reserve(entries);
-  if (!r.ok()) return Done("Reserve", r.status());
+  if (!r.ok()) return Done(kReserve, r.status());
   resp->set_reservation_id(r->id);
   resp->set_expires_unix_ms(r->expires_unix_ms);
   for (const ReserveSlot& slot : r->slots) {
@@ -160,7 +235,7 @@ grpc::Status PoolNodeService::Reserve(grpc::ServerContext*, const v1::ReserveReq
     o->set_already_present(slot.already_present);
     if (!slot.already_present) FillRun(slot.run, o->mutable_run());
   }
-  return Done("Reserve", absl::OkStatus());
+  return Done(kReserve, absl::OkStatus());
 }
 
 grpc::Status PoolNodeService::Commit(grpc::ServerContext*, const v1::CommitRequest* req,
@@ -168,32 +243,33 @@ grpc::Status PoolNodeService::Commit(grpc::ServerContext*, const v1::CommitReque
   std::vector<CommitEntrySpec> entries;
   for (int i = 0; i < req->entries_size(); ++i) {
     auto h = BlockHash::FromBytes(req->entries(i).block_hash(), absl::StrCat("entries[", i, "].block_hash"));
-    if (!h.ok()) return Done("Commit", h.status());
+    if (!h.ok()) return Done(kCommit, h.status());
     entries.push_back({*h, req->entries(i).checksum()});
   }
   auto out = core_->Commit(req->reservation_id(), entries);
-  if (!out.ok()) return Done("Commit", out.status());
+  if (!out.ok()) return Done(kCommit, out.status());
   for (const CommitOutcome& o : *out) {
     v1::CommitResult* r = resp->add_results();
     r->set_block_hash(o.hash.ToBytes());
     r->set_code(static_cast<int32_t>(o.status.code()));
     r->set_message(std::string(o.status.message()));
   }
-  return Done("Commit", absl::OkStatus());
+  return Done(kCommit, absl::OkStatus());
 }
 
-grpc::Status PoolNodeService::Release(grpc::ServerContext*, const v1::ReleaseRequest* req,
-                                      v1::ReleaseResponse*) {
+grpc::ServerUnaryReactor* PoolNodeService::Release(grpc::CallbackServerContext* ctx,
+                                                   const v1::ReleaseRequest* req, v1::ReleaseResponse*) {
   if (req->lease_id() == 0) {
-    return Done("Release", absl::InvalidArgumentError("lease_id=0 names no lease; pass LookupResponse.lease_id"));
+    return Answer(ctx, Done(kRelease, absl::InvalidArgumentError(
+                                          "lease_id=0 names no lease; pass LookupResponse.lease_id")));
   }
-  return Done("Release", core_->Release(req->lease_id()));
+  return Answer(ctx, Done(kRelease, core_->Release(req->lease_id())));
 }
 
-grpc::Status PoolNodeService::GetStats(grpc::ServerContext*, const v1::GetPoolStatsRequest*,
-                                       v1::PoolStats* resp) {
+grpc::ServerUnaryReactor* PoolNodeService::GetStats(grpc::CallbackServerContext* ctx,
+                                                    const v1::GetPoolStatsRequest*, v1::PoolStats* resp) {
   FillStats(core_->Stats(), resp);
-  return Done("GetStats", absl::OkStatus());
+  return Answer(ctx, Done(kGetStats, absl::OkStatus()));
 }
 
 }  // namespace kvpool::pool_node

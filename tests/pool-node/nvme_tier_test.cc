@@ -90,6 +90,35 @@ TEST_F(NvmeTierTest, DemotionThenPromotionIsByteExact) {
   EXPECT_EQ(again->objects[0].found_in, Tier::kDram);
 }
 
+// never_block (what the gRPC reactor asks first): an answer that needs NVMe reads is
+// UNAVAILABLE and changes nothing; DRAM-only answers come back as usual.
+TEST_F(NvmeTierTest, NeverBlockRefusesNvmeHitsAndChangesNothing) {
+  auto core = Make(32, 64);
+  ASSERT_TRUE(Put(*core, H(0), std::nullopt, Pattern(0, 5000)).ok());
+  ASSERT_TRUE(Put(*core, H(1), H(0), Pattern(1, 5000)).ok());
+  ASSERT_EQ(core->Demote(1), 1u);  // leaves first: H(1) goes, H(0) (its parent) stays
+  ASSERT_FALSE(core->Inspect({H(1), StateKind::kAttnKv})->in_dram);
+
+  auto dram_only = core->Lookup({.hashes = {H(0)}, .never_block = true});
+  ASSERT_TRUE(dram_only.ok()) << dram_only.status();
+  EXPECT_EQ(dram_only->prefix_blocks, 1u);
+  ASSERT_TRUE(core->Release(dram_only->lease_id).ok());
+
+  auto refused = core->Lookup({.hashes = {H(0), H(1)}, .never_block = true});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable) << refused.status();
+  EXPECT_EQ(core->Stats().active_leases, 0u);
+  EXPECT_EQ(core->Stats().promotions, 0u);
+  auto info = core->Inspect({H(1), StateKind::kAttnKv});
+  EXPECT_FALSE(info->in_dram);
+  EXPECT_EQ(info->leases, 0u);
+  EXPECT_EQ(core->Inspect({H(0), StateKind::kAttnKv})->leases, 0u);
+
+  auto blocking = core->Lookup({.hashes = {H(0), H(1)}});
+  ASSERT_TRUE(blocking.ok()) << blocking.status();
+  EXPECT_EQ(blocking->prefix_blocks, 2u);
+  EXPECT_EQ(blocking->objects[1].found_in, Tier::kNvme);
+}
+
 TEST_F(NvmeTierTest, BackgroundDemotionRunsBetweenWatermarks) {
   auto core = Make(20, 64, {.demote_high_watermark = 0.8, .demote_low_watermark = 0.5});
   PutChain(*core, 0, 16, kPage);  // 80%: not above the high watermark yet

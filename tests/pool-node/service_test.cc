@@ -4,6 +4,7 @@
 #include <grpcpp/grpcpp.h>
 #include <httplib.h>
 
+#include <chrono>
 #include <future>
 #include <thread>
 
@@ -207,6 +208,25 @@ TEST_F(ServiceTest, PipelinedPutAcrossPiecesAndAsyncReleaseAreByteExact) {
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(stats->active_leases(), 0u);
   EXPECT_EQ(stats->pending_reservations(), 0u);
+}
+
+// ReleaseAsync's request leaves at once, from the calling thread: the node ends the lease
+// while the client makes no further call (nothing in the client polls for its answer).
+TEST_F(ServiceTest, AsyncReleaseReachesTheNodeWhileTheClientIsIdle) {
+  const BlockHash h{0x5eed, 0xa11};
+  auto put = client_->Put({{PutItem{h, std::nullopt, StateKind::kAttnKv, Stage(9, 5000, 0), 5000}}});
+  ASSERT_TRUE(put.ok()) << put.status();
+  ASSERT_TRUE((*put)[0].ok()) << (*put)[0];
+  const std::vector<BlockHash> chain = {h};
+  auto lease = client_->Lookup(chain);
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  ASSERT_EQ(node_->core().Stats().active_leases, 1u);
+  client_->ReleaseAsync(lease->lease_id);
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (node_->core().Stats().active_leases != 0 && std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_EQ(node_->core().Stats().active_leases, 0u);
 }
 
 TEST_F(ServiceTest, PutLookupGetThroughDramAndNvmeIsByteExact) {

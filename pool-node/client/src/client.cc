@@ -4,11 +4,13 @@
 #include <xxhash.h>
 #include <xxh_x86dispatch.h>  // XXH3 with AVX2/AVX-512 chosen at run time
 
+#include <atomic>
 #include <chrono>
 #include <future>
+#include <optional>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "kvpool/common/status.h"
 #include "kvpool/proto/grpc_status.h"
 #include "kvpool/transport/transport.h"
@@ -22,13 +24,13 @@ struct PoolClient::State {
   std::shared_ptr<transport::Endpoint> ep;
   transport::RemoteArena remote;
   std::string node_id;
-  // ReleaseAsync calls not yet answered; the destructor waits for 0. Shared with the
-  // callbacks, so that the last one never touches freed memory.
-  struct Pending {
-    absl::Mutex mu;
-    int releases ABSL_GUARDED_BY(mu) = 0;
-  };
-  std::shared_ptr<Pending> pending = std::make_shared<Pending>();
+  // ReleaseAsync calls in flight. Their completions land on release_cq, which no thread
+  // waits on: they are reaped by later calls (ReapReleases) and by the destructor. The
+  // client starts no gRPC callback threads (see the README: a poller thread of their
+  // own turned every synchronous call into a hand-off between threads).
+  grpc::CompletionQueue release_cq;
+  // Relaxed: only a count; the destructor runs after every other call has returned.
+  std::atomic<int> releases_in_flight{0};
 };
 
 namespace {
@@ -77,37 +79,61 @@ absl::Status Transfer(transport::Endpoint& ep, bool put, std::vector<transport::
   return f.get();
 }
 
-// A unary RPC in flight (gRPC callback API); Wait() before destroying it.
+// A unary RPC in flight on a CompletionQueue driven by the calling thread; its tag is
+// &finished. All calls started on a queue are waited for (Drain) before it goes.
 template <typename Req, typename Resp>
 struct Call {
   grpc::ClientContext ctx;
   Req req;
   Resp resp;
   grpc::Status status;
-  std::promise<void> promise;
-  std::shared_future<void> done = promise.get_future().share();
-  std::function<void(grpc::Status)> Callback() {
-    return [this](grpc::Status s) {
-      status = std::move(s);
-      promise.set_value();
-    };
-  }
-  absl::Status Wait() {
-    done.wait();
-    return FromGrpcStatus(status);
-  }
+  bool finished = false;
+  std::unique_ptr<grpc::ClientAsyncResponseReader<Resp>> reader;
 };
 using ReserveCall = Call<v1::ReserveRequest, v1::ReserveResponse>;
 using CommitCall = Call<v1::CommitRequest, v1::CommitResponse>;
+using ReleaseCall = Call<v1::ReleaseRequest, v1::ReleaseResponse>;
+
+// Polls `cq` (this thread does the RPCs' I/O meanwhile) until *finished is set.
+void WaitFor(grpc::CompletionQueue& cq, const bool& finished) {
+  void* tag;
+  bool ok;
+  while (!finished && cq.Next(&tag, &ok)) *static_cast<bool*>(tag) = true;
+}
+
+// Waits for every call still on `cq`, then shuts it down.
+void Drain(grpc::CompletionQueue& cq, size_t in_flight) {
+  void* tag;
+  bool ok;
+  for (; in_flight > 0 && cq.Next(&tag, &ok); --in_flight) *static_cast<bool*>(tag) = true;
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+}
 
 constexpr size_t kMaxEntriesPerRpc = 4096;  // the node's limit per Reserve / Commit
 }  // namespace
 
 PoolClient::PoolClient() : s_(std::make_unique<State>()) {}
 PoolClient::~PoolClient() {
-  State::Pending& p = *s_->pending;
-  absl::MutexLock l(&p.mu);
-  p.mu.Await(absl::Condition(+[](int* n) { return *n == 0; }, &p.releases));
+  void* tag;
+  bool ok;
+  for (int left = s_->releases_in_flight.load(std::memory_order_relaxed);
+       left > 0 && s_->release_cq.Next(&tag, &ok); --left) {
+    delete static_cast<ReleaseCall*>(tag);
+  }
+  s_->release_cq.Shutdown();
+  while (s_->release_cq.Next(&tag, &ok)) delete static_cast<ReleaseCall*>(tag);
+}
+
+void PoolClient::ReapReleases() {
+  void* tag;
+  bool ok;
+  while (s_->release_cq.AsyncNext(&tag, &ok, gpr_time_0(GPR_CLOCK_MONOTONIC)) ==
+         grpc::CompletionQueue::GOT_EVENT) {
+    delete static_cast<ReleaseCall*>(tag);  // errors dropped: the lease expires on its own
+    s_->releases_in_flight.fetch_sub(1, std::memory_order_relaxed);
+  }
 }
 
 absl::StatusOr<std::unique_ptr<PoolClient>> PoolClient::Connect(PoolClientOptions options) {
@@ -160,21 +186,27 @@ uint64_t PoolClient::LocalChecksum(std::span<const uint64_t> pages, uint64_t len
 
 absl::StatusOr<PoolLease> PoolClient::Lookup(std::span<const BlockHash> chain, StateKind kind,
                                              uint32_t lease_ms, bool allow_gaps) {
-  v1::LookupRequest req;
-  req.set_client_id(s_->opt.client_id);
-  for (const BlockHash& h : chain) req.add_block_hashes(h.ToBytes());
-  req.set_kind(KindToProto(kind));
-  req.set_lease_ms(lease_ms);
-  req.set_allow_gaps(allow_gaps);
-  v1::LookupResponse resp;
+  ReapReleases();
+  // Request and response on one arena: a 128-hash answer is ~400 small messages and
+  // repeated fields, which the heap allocator otherwise serves one by one.
+  google::protobuf::Arena arena;
+  auto* req = google::protobuf::Arena::CreateMessage<v1::LookupRequest>(&arena);
+  auto* resp = google::protobuf::Arena::CreateMessage<v1::LookupResponse>(&arena);
+  req->set_client_id(s_->opt.client_id);
+  req->mutable_block_hashes()->Reserve(static_cast<int>(chain.size()));
+  for (const BlockHash& h : chain) req->add_block_hashes(h.ToBytes());
+  req->set_kind(KindToProto(kind));
+  req->set_lease_ms(lease_ms);
+  req->set_allow_gaps(allow_gaps);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(s_->opt.rpc_timeout_ms));
-  RETURN_IF_ERROR(FromGrpcStatus(s_->stub->Lookup(&ctx, req, &resp)));
+  RETURN_IF_ERROR(FromGrpcStatus(s_->stub->Lookup(&ctx, *req, resp)));
   PoolLease lease;
-  lease.prefix_blocks = resp.prefix_blocks();
-  lease.lease_id = resp.lease_id();
-  lease.expires_unix_ms = resp.lease_expires_unix_ms();
-  for (const v1::ObjectDescriptor& d : resp.objects()) {
+  lease.prefix_blocks = resp->prefix_blocks();
+  lease.lease_id = resp->lease_id();
+  lease.expires_unix_ms = resp->lease_expires_unix_ms();
+  lease.objects.reserve(resp->objects_size());
+  for (const v1::ObjectDescriptor& d : resp->objects()) {
     RemoteObject o;
     ASSIGN_OR_RETURN(o.key.hash, BlockHash::FromBytes(d.block_hash(), "objects[].block_hash"));
     o.key.kind = kind;
@@ -243,6 +275,8 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
   const auto deadline = [&] {
     return std::chrono::system_clock::now() + std::chrono::milliseconds(s_->opt.rpc_timeout_ms);
   };
+  grpc::CompletionQueue cq;  // this Put's RPCs; polled by this thread while it waits
+  size_t started = 0;
   std::vector<std::unique_ptr<ReserveCall>> reserves(pieces.size());
   std::vector<std::unique_ptr<CommitCall>> commits(pieces.size());
   std::vector<std::vector<int>> commit_index(pieces.size());
@@ -258,26 +292,34 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
       e->set_length(it.length);
     }
     c->ctx.set_deadline(deadline());
-    s_->stub->async()->Reserve(&c->ctx, &c->req, &c->resp, c->Callback());
+    c->reader = s_->stub->PrepareAsyncReserve(&c->ctx, c->req, &cq);
+    c->reader->StartCall();
+    c->reader->Finish(&c->resp, &c->status, &c->finished);
+    ++started;
     reserves[k] = std::move(c);
   };
 
-  absl::Status err;
-  constexpr size_t kReserveAhead = 2;  // Reserve RPCs in flight ahead of the copies
-  size_t reserved = 0;
-  for (size_t k = 0; k < pieces.size(); ++k) {
-    while (reserved < pieces.size() && reserved <= k + kReserveAhead) start_reserve(reserved++);
-    err = reserves[k]->Wait();
-    if (!err.ok()) break;
+  // A piece's transfer, from its start until its Commit is sent. Up to two are in flight:
+  // where the transport copies inside PutAsync (one-sided shared memory) each is done
+  // when started and is committed at once; where it completes later (TCP, RDMA) the
+  // next piece starts moving before this one is committed, so the link never idles
+  // between pieces.
+  struct PieceTransfer {
+    std::unique_ptr<Digests> digests;  // fed by the transfer's ByteObserver
+    std::vector<size_t> op_item;       // item index per transfer op
+    std::future<absl::Status> done;    // valid while a transfer is in flight
+  };
+  std::vector<PieceTransfer> tx(pieces.size());
+  auto start_transfer = [&](size_t k) -> absl::Status {
+    WaitFor(cq, reserves[k]->finished);
+    RETURN_IF_ERROR(FromGrpcStatus(reserves[k]->status));
     const v1::ReserveResponse& rresp = reserves[k]->resp;
     const size_t first = pieces[k].first, n = pieces[k].second - first;
     if (static_cast<size_t>(rresp.results_size()) != n) {
-      err = absl::InternalError(absl::StrCat("node answered ", rresp.results_size(),
-                                             " reserve results for ", n, " entries"));
-      break;
+      return absl::InternalError(absl::StrCat("node answered ", rresp.results_size(),
+                                              " reserve results for ", n, " entries"));
     }
     std::vector<transport::TransferOp> ops;
-    std::vector<size_t> op_item;
     for (size_t j = 0; j < n; ++j) {
       const v1::ReserveResult& r = rresp.results(static_cast<int>(j));
       if (r.already_present()) continue;
@@ -288,37 +330,77 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
       op.remote.pages.assign(r.run().pages().begin(), r.run().pages().end());
       op.remote.bytes = it.length;
       ops.push_back(std::move(op));
-      op_item.push_back(first + j);
+      tx[k].op_item.push_back(first + j);
     }
     // The checksums are taken from the bytes as they are copied (still in cache).
     // On a failed transfer the reservation is simply not committed; the node reclaims it.
     // All present: nothing moves, and an empty Commit ends the reservation at once.
-    Digests digests(ops.size());
-    if (!ops.empty()) {
-      err = Transfer(*s_->ep, /*put=*/true, std::move(ops), digests.Observer());
-      if (!err.ok()) break;
-    }
+    tx[k].digests = std::make_unique<Digests>(ops.size());
+    if (ops.empty()) return absl::OkStatus();
+    auto p = std::make_shared<std::promise<absl::Status>>();
+    std::future<absl::Status> f = p->get_future();
+    RETURN_IF_ERROR(s_->ep->PutAsync(std::move(ops), [p](absl::Status st) { p->set_value(std::move(st)); },
+                                     tx[k].digests->Observer()));
+    tx[k].done = std::move(f);
+    return absl::OkStatus();
+  };
+  auto commit = [&](size_t k) -> absl::Status {
+    if (tx[k].done.valid()) RETURN_IF_ERROR(tx[k].done.get());
+    const size_t first = pieces[k].first, n = pieces[k].second - first;
     auto c = std::make_unique<CommitCall>();
-    c->req.set_reservation_id(rresp.reservation_id());
+    c->req.set_reservation_id(reserves[k]->resp.reservation_id());
     commit_index[k].assign(n, -1);
-    for (size_t o = 0; o < op_item.size(); ++o) {
+    for (size_t o = 0; o < tx[k].op_item.size(); ++o) {
       v1::CommitEntry* ce = c->req.add_entries();
-      ce->set_block_hash(items[op_item[o]].hash.ToBytes());
-      ce->set_checksum(digests.Value(o));
-      commit_index[k][op_item[o] - first] = static_cast<int>(o);
+      ce->set_block_hash(items[tx[k].op_item[o]].hash.ToBytes());
+      ce->set_checksum(tx[k].digests->Value(o));
+      commit_index[k][tx[k].op_item[o] - first] = static_cast<int>(o);
     }
     c->ctx.set_deadline(deadline());
-    s_->stub->async()->Commit(&c->ctx, &c->req, &c->resp, c->Callback());
+    c->reader = s_->stub->PrepareAsyncCommit(&c->ctx, c->req, &cq);
+    c->reader->StartCall();
+    c->reader->Finish(&c->resp, &c->status, &c->finished);
+    ++started;
     commits[k] = std::move(c);
+    return absl::OkStatus();
+  };
+  auto ready = [&](size_t k) {
+    return !tx[k].done.valid() ||
+           tx[k].done.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+  };
+
+  absl::Status err;
+  constexpr size_t kReserveAhead = 2;  // Reserve RPCs in flight ahead of the copies
+  size_t reserved = 0;
+  std::optional<size_t> pending;  // a piece moved (or moving) but not committed yet
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    while (reserved < pieces.size() && reserved <= k + kReserveAhead) start_reserve(reserved++);
+    err = start_transfer(k);
+    if (pending) {  // moved before piece k failed, if it did: still worth storing
+      absl::Status c = commit(*std::exchange(pending, std::nullopt));
+      if (err.ok()) err = c;
+    }
+    if (!err.ok()) break;
+    if (ready(k)) {
+      err = commit(k);
+    } else {
+      pending = k;
+    }
+  }
+  if (err.ok() && pending) err = commit(*pending);
+  // Transfers still in flight feed digests that live in this frame.
+  for (PieceTransfer& t : tx) {
+    if (t.done.valid()) t.done.wait();
   }
   // Every RPC started is waited for (they point into this frame).
-  for (auto& r : reserves) {
-    if (r) r->Wait().IgnoreError();
-  }
+  size_t finished = 0;
+  for (const auto& c : reserves) finished += c && c->finished;
+  for (const auto& c : commits) finished += c && c->finished;
+  Drain(cq, started - finished);
   std::vector<absl::Status> out(items.size());
   for (size_t k = 0; k < pieces.size(); ++k) {
     if (!commits[k]) continue;
-    absl::Status cs = commits[k]->Wait();
+    absl::Status cs = FromGrpcStatus(commits[k]->status);
     if (!cs.ok()) {
       if (err.ok()) err = cs;
       continue;
@@ -349,20 +431,16 @@ absl::Status PoolClient::Release(uint64_t lease_id) {
 }
 
 void PoolClient::ReleaseAsync(uint64_t lease_id) {
-  auto* c = new Call<v1::ReleaseRequest, v1::ReleaseResponse>();
+  ReapReleases();
+  auto* c = new ReleaseCall();
   c->req.set_lease_id(lease_id);
   c->ctx.set_deadline(std::chrono::system_clock::now() +
                       std::chrono::milliseconds(s_->opt.rpc_timeout_ms));
-  {
-    absl::MutexLock l(&s_->pending->mu);
-    ++s_->pending->releases;
-  }
-  s_->stub->async()->Release(&c->ctx, &c->req, &c->resp,
-                             [c, pending = s_->pending](grpc::Status) {
-                               delete c;  // errors dropped: the lease expires on its own
-                               absl::MutexLock l(&pending->mu);
-                               --pending->releases;
-                             });
+  s_->releases_in_flight.fetch_add(1, std::memory_order_relaxed);
+  // The request leaves now (gRPC writes it from this thread); the answer is reaped later.
+  c->reader = s_->stub->PrepareAsyncRelease(&c->ctx, c->req, &s_->release_cq);
+  c->reader->StartCall();
+  c->reader->Finish(&c->resp, &c->status, c);
 }
 
 absl::StatusOr<v1::PoolStats> PoolClient::GetStats() {

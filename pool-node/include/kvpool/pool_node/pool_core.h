@@ -135,6 +135,10 @@ struct LookupSpec {
   StateKind kind = StateKind::kAttnKv;
   uint32_t lease_ms = 0;          // 0: default_lease_ms
   bool allow_gaps = false;        // also return hits after the first miss
+  // UNAVAILABLE, changing nothing, where the answer needs NVMe reads (a promotion, or
+  // another Lookup's promotion to wait for): for callers that must not block (a gRPC
+  // reactor), which then call again where blocking is fine.
+  bool never_block = false;
 };
 
 struct LookupAnswer {
@@ -189,7 +193,8 @@ class PoolCore {
 
   // Longest present prefix of `spec.hashes` (unknown hashes are misses, not errors),
   // with DRAM descriptors under one lease. NVMe hits are promoted into DRAM first; one
-  // whose bytes fail their checksum is dropped and ends the prefix.
+  // whose bytes fail their checksum is dropped and ends the prefix. Blocks on io_uring
+  // for promotions unless spec.never_block (then UNAVAILABLE instead).
   absl::StatusOr<LookupAnswer> Lookup(const LookupSpec& spec);
   // Allocates page runs for the entries not already present, evicting if needed;
   // RESOURCE_EXHAUSTED (nothing reserved) when they do not fit even after eviction.
