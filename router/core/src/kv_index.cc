@@ -412,7 +412,7 @@ void KvIndex::FindMatches(std::span<const BlockHash> hashes, MatchResult* out) {
     return;
   }
   // Pass 2: intersect the GPU holders along the walk. Slots < 64 are one mask; the blocks
-  // where it shrinks are logged without a branch (drop_at/drop_mask), then expanded.
+  // where it shrinks are logged without a branch (drops_), then expanded.
   uint8_t* in_pool = out->in_pool.data();
   if (drops_.size() < i) drops_.resize(i);
   Drop* drops = drops_.data();
