@@ -28,6 +28,8 @@
 // math; see FmaPerByte*) it gives a compute roof; every result reports
 // fraction_of_roof against min(probe, compute roof). That figure explains a shift from
 // memory- to FMA-bound shapes (llama-70b-tp8, deepseek-v3-tp8); it is not the target.
+// Each target also names the shapes whose compute roof is below target x probe
+// ("fma_bound_below_target"): those cannot meet it with fp32 FMAs on this machine.
 // --min-bytes lowers the smallest working set swept (to see cache-resident speed);
 // --huge-pages madvises host buffers for transparent huge pages.
 #include <algorithm>
@@ -554,10 +556,20 @@ int Main(int argc, char** argv) {
   for (const auto& t : targets) {
     double worst = 1e9, best = 0, worst_norm = 1e9, worst_roof = 1e9, best_roof = 0;
     int n = 0;
+    const double goal = gpu ? t.gpu : t.cpu;
+    // Shapes whose compute roof (fma probe / fma_per_byte) is below goal x the probe:
+    // with fp32 FMAs they cannot reach the target on this machine, however memory is
+    // read. Listed once per shape with the roof as a fraction of the probe.
+    std::vector<std::pair<std::string, double>> unreachable;
     for (size_t i = 0; i < results.size(); ++i) {
       const Result& r = results[i];
       if (r.kernel != t.kernel || r.context < t.min_ctx || r.bytes < target_min_bytes) continue;
       const Fractions f = fractions(i);
+      const double probe_bw = ReadOnly(r.kernel) ? probes[probe_of[i]].second.read_bw : probes[probe_of[i]].second.copy_bw;
+      if (f.compute_roof > 0 && f.compute_roof < goal * probe_bw &&
+          std::none_of(unreachable.begin(), unreachable.end(), [&](const auto& u) { return u.first == r.shape; })) {
+        unreachable.emplace_back(r.shape, f.compute_roof / probe_bw);
+      }
       worst = std::min(worst, f.of_probe);
       best = std::max(best, f.of_probe);
       worst_norm = std::min(worst_norm, f.cpu_normalized);
@@ -566,22 +578,37 @@ int Main(int argc, char** argv) {
       ++n;
     }
     if (n == 0) continue;  // not run (--only) or no point large enough (--quick)
-    const double goal = gpu ? t.gpu : t.cpu;
+    std::string roof_json, roof_text;
+    for (const auto& [shape, frac] : unreachable) {
+      char u[160];
+      std::snprintf(u, sizeof u, "%s{\"shape\": \"%s\", \"compute_roof_fraction_of_probe\": %.3f}",
+                    roof_json.empty() ? "" : ", ", shape.c_str(), frac);
+      roof_json += u;
+      std::snprintf(u, sizeof u, "%s%s (compute roof %.2f of the probe)", roof_text.empty() ? "" : ", ",
+                    shape.c_str(), frac);
+      roof_text += u;
+    }
     char line[512];
     std::snprintf(line, sizeof line,
                   "%s{\"kernel\": \"%s\", \"min_context\": %d, \"probe\": \"%s\", "
                   "\"worst_fraction\": %.3f, \"best_fraction\": %.3f, "
                   "\"worst_cpu_normalized_fraction\": %.3f, \"target\": %.2f, \"met\": %s, "
-                  "\"worst_fraction_of_roof\": %.3f, \"best_fraction_of_roof\": %.3f}",
+                  "\"worst_fraction_of_roof\": %.3f, \"best_fraction_of_roof\": %.3f, "
+                  "\"fma_bound_below_target\": [",
                   tjson.empty() ? "" : ", ", t.kernel, t.min_ctx, ReadOnly(t.kernel) ? "read" : "copy",
                   worst, best, worst_norm, goal, worst >= goal ? "true" : "false", worst_roof, best_roof);
     tjson += line;
+    tjson += roof_json + "]}";
     std::snprintf(line, sizeof line,
                   "  %-11s ctx>=%-5d worst %.3f best %.3f of %s probe (cpu-normalized worst %.3f; "
                   "target %.2f) %s; of roof (explanatory, not the target) worst %.3f best %.3f\n",
                   t.kernel, t.min_ctx, worst, best, ReadOnly(t.kernel) ? "read" : "copy", worst_norm,
                   goal, worst >= goal ? "MET" : "NOT MET", worst_roof, best_roof);
     ttext += line;
+    if (!roof_text.empty()) {
+      ttext += "              FMA-bound below the target here (fp32 FMAs cannot reach it on this machine): " +
+               roof_text + "\n";
+    }
   }
 
   if (o.json) {

@@ -5,9 +5,10 @@
 // page is read once, front to back, for all q heads of its group (GQA) or all heads
 // (MLA). Partials merge per sequence in split order, so the result is independent of
 // the thread count.
-// Memory: the loops software-prefetch a fixed distance ahead, a few tokens between two
-// score sub-blocks (pages are scattered, so hardware prefetchers restart at every
-// page), and read K whole token rows at a time (GQA: every kv head of a sub-block).
+// Memory: the loops software-prefetch a fixed distance ahead (GQA: near, plus far for
+// groups with few FMAs per byte), a few tokens between two score sub-blocks (pages are
+// scattered, so hardware prefetchers restart at every page), and read K whole token
+// rows at a time (GQA: every kv head of a sub-block).
 // bf16 with dimensions % 16 == 0 uses the paired kernels (SimdOps::score_bf16p /
 // accum_bf16p) where the ISA has them: q is permuted once per split, accumulators stay
 // permuted until the split ends. Every score/accumulator element is summed in the same
@@ -62,14 +63,19 @@ struct SlotMap {
   int64_t operator()(int pos) const { return (int64_t{row[pos >> shift]} << shift) + (pos & mask); }
 };
 
-// One cache line into L1. gcc 12 emitted no prefetch at all for __builtin_prefetch /
-// _mm_prefetch in this file (checked with objdump), so x86 issues the instruction
-// itself; prefetcht0 is baseline SSE.
+// One cache line into L1 (kOuter: prefetcht2, "into the outer levels"). gcc 12 emitted
+// no prefetch at all for __builtin_prefetch / _mm_prefetch in this file (checked with
+// objdump), so x86 issues the instruction itself; prefetcht0/t2 are baseline SSE.
+template <bool kOuter = false>
 inline void PrefetchLine(const char* p) {
 #if defined(__x86_64__) || defined(__i386__)
-  asm volatile("prefetcht0 %0" : : "m"(*p));
+  if constexpr (kOuter) {
+    asm volatile("prefetcht2 %0" : : "m"(*p));
+  } else {
+    asm volatile("prefetcht0 %0" : : "m"(*p));
+  }
 #else
-  __builtin_prefetch(p, 0, 3);
+  __builtin_prefetch(p, 0, kOuter ? 1 : 3);
 #endif
 }
 
@@ -80,6 +86,7 @@ inline void PrefetchLine(const char* p) {
 // its miss buffers. Positions in one page are contiguous slots, so each page's run is
 // one byte range: one table lookup and one line loop per run, not per token (per-token
 // lookups and loops were ~20% of tiny-gqa's instructions, callgrind).
+template <bool kOuter = false>
 inline void PrefetchRows(const SlotMap& map, int p0, int p1, const void* base, size_t row_bytes) {
   for (int pos = p0; pos < p1;) {
     const int run_end = std::min(p1, ((pos >> map.shift) + 1) << map.shift);
@@ -87,7 +94,7 @@ inline void PrefetchRows(const SlotMap& map, int p0, int p1, const void* base, s
     // Every line of [p, p + bytes) once (a range not 64-byte aligned spans one more).
     const uintptr_t end = p + static_cast<size_t>(run_end - pos) * row_bytes;
     for (uintptr_t line = p & ~uintptr_t{63}; line < end; line += 64) {
-      PrefetchLine(reinterpret_cast<const char*>(line));
+      PrefetchLine<kOuter>(reinterpret_cast<const char*>(line));
     }
     pos = run_end;
   }
@@ -108,9 +115,20 @@ constexpr int kSub = 4;
 // kernels do not, so they keep kSub.
 inline int SubTokens(bool paired, int rows) { return paired && rows >= 3 && rows < 8 ? 2 : kSub; }
 
-// GQA decode prefetches about this many bytes of K and of V ahead, whole token rows
-// (tiny-gqa and llama-70b-tp8, 256-byte rows: 16 tokens, one page of 16).
+// GQA decode prefetches whole K and V token rows about kPrefetchBytes of each ahead with
+// prefetcht0 (256-byte rows, llama-70b-tp8: 16 tokens, one page of 16). Where a token
+// costs few FMAs (G / esz <= kFarMaxFmaPerByte: tiny-gqa's 1, not llama-70b-tp8's 4),
+// 16 tokens of compute are shorter than a loaded memory latency, so those rows are
+// requested about kPrefetchFarBytes ahead (32 tokens) with prefetcht2 and again
+// kPrefetchNearBytes ahead (12 tokens) with prefetcht0. Against the single batch
+// (noisy shared VM, see README): tiny-gqa 32 x 4K +12-36% bytes per CPU-second (one
+// thread), the far hint (t0, t2, nta) made no difference; llama-70b-tp8 with both
+// batches 6-7% slower (more prefetch instructions, no latency left to hide), with one
+// batch 12 tokens ahead within noise of 16.
 constexpr size_t kPrefetchBytes = 4096;
+constexpr size_t kPrefetchNearBytes = 3072;
+constexpr size_t kPrefetchFarBytes = 8192;
+constexpr double kFarMaxFmaPerByte = 2.0;
 // MLA decode prefetch distance in tokens (18 KiB of bf16 entries), far more than the
 // memory latency at >= 500 cycles of FMAs per entry.
 constexpr int kMlaAhead = 16;
@@ -223,9 +241,14 @@ void CpuGqaDecode(const CpuContext& cx, const GqaDecodeParams& p) {
     float* sbuf = scr.s.data();
     const SlotMap map(row, kv.page_size);
     const size_t row_bytes = static_cast<size_t>(token_stride) * esz;
-    // Prefetch distance: about kPrefetchBytes of each of K and V ahead, in whole
-    // sub-blocks, within [kSub, kTile] tokens.
-    const int ahead = std::clamp(static_cast<int>(kPrefetchBytes / row_bytes) / kSub * kSub, kSub, kTile);
+    // Prefetch distances in whole sub-blocks: near within [kSub, kTile] tokens, far at
+    // least one sub-block beyond near (0: no far batch).
+    const bool two_batches = static_cast<double>(G) / esz <= kFarMaxFmaPerByte;
+    const size_t near_bytes = two_batches ? kPrefetchNearBytes : kPrefetchBytes;
+    const int ahead = std::clamp(static_cast<int>(near_bytes / row_bytes) / kSub * kSub, kSub, kTile);
+    const int far = two_batches ? std::clamp(static_cast<int>(kPrefetchFarBytes / row_bytes) / kSub * kSub,
+                                             ahead + kSub, 2 * kTile)
+                                : 0;
     // Row pointers per kv head: rows[h * kTile + t] (K in scr.krows, V in scr.vrows).
     scr.krows.resize(static_cast<size_t>(Hkv) * kTile);
     scr.vrows.resize(static_cast<size_t>(Hkv) * kTile);
@@ -250,14 +273,20 @@ void CpuGqaDecode(const CpuContext& cx, const GqaDecodeParams& p) {
       // pass per head over the tile instead strides through the rows (head 0's half,
       // then head 1's), which at 256 MiB, as a plain read without math, ran at
       // ~0.5-0.7 of a contiguous read against ~0.8-1.0 row by row (dev VM). Between
-      // sub-blocks, prefetch whole K and V rows `ahead` tokens ahead. (Scores get the
-      // same bits in sub-blocks of kSub tokens as over the whole tile.)
+      // sub-blocks, prefetch whole K and V rows `ahead` tokens ahead (prefetcht0) and,
+      // for cheap tokens, `far` tokens ahead (prefetcht2), never past the split.
+      // (Scores get the same bits in sub-blocks of kSub tokens as over the whole tile.)
       for (int u = 0; u < T; u += kSub) {
         const int n = std::min(kSub, T - u);
         const int pf0 = t0 + ahead + u, pf1 = std::min(sp.t1, pf0 + kSub);
         if (pf0 < pf1) {
           PrefetchRows(map, pf0, pf1, kv.k, row_bytes);
           PrefetchRows(map, pf0, pf1, kv.v, row_bytes);
+        }
+        const int ff0 = t0 + far + u, ff1 = std::min(sp.t1, ff0 + kSub);
+        if (far > 0 && ff0 < ff1) {
+          PrefetchRows<true>(map, ff0, ff1, kv.k, row_bytes);
+          PrefetchRows<true>(map, ff0, ff1, kv.v, row_bytes);
         }
         for (int h = 0; h < Hkv; ++h) {
           ScoreRows(*cx.ops, paired, q + int64_t{h} * G * d, paired ? qp + int64_t{h} * G * d : nullptr,

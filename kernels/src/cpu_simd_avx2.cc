@@ -386,10 +386,21 @@ void Unpair16(const float* x, float* y, int n) {
   }
 }
 
+// Pins v to a register: the compiler may no longer fold the load that produced it into
+// each instruction that uses it. gcc otherwise turns one load feeding two (or NT) uses
+// into a memory operand per use, and the decode score loops then issue more loads than
+// FMAs, which the core's two 256-bit load ports cannot feed (perf: the MLA score loop
+// loaded each q chunk twice and each K chunk twice per 16 FMAs).
+template <typename V>
+[[gnu::always_inline]] inline void InRegister(V& v) {
+  asm("" : "+x"(v));
+}
+
 // 16 bf16 at row + i (elements) as fp32: even elements -> *e, odd -> *o.
 [[gnu::always_inline]] inline void LoadPair(const void* row, int i, __m256* e, __m256* o) {
-  const __m256i raw =
+  __m256i raw =
       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + i));
+  InRegister(raw);  // one load for both halves
   *e = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
   *o = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
@@ -432,7 +443,11 @@ template <int NR, int NT>
       __m256 ke[NT], ko[NT];
       for (int t = 0; t < NT; ++t) LoadPair(rows[t], i, &ke[t], &ko[t]);
       for (int r = 0; r < NR; ++r) {
-        const __m256 qe = _mm256_loadu_ps(qp + r * dim + i), qo = _mm256_loadu_ps(qp + r * dim + i + 8);
+        __m256 qe = _mm256_loadu_ps(qp + r * dim + i), qo = _mm256_loadu_ps(qp + r * dim + i + 8);
+        if constexpr (NT > 1) {  // loaded once for the NT tokens
+          InRegister(qe);
+          InRegister(qo);
+        }
         for (int t = 0; t < NT; ++t) {
           acc[r * NT + t] = _mm256_fmadd_ps(qe, ke[t], acc[r * NT + t]);
           acc[r * NT + t] = _mm256_fmadd_ps(qo, ko[t], acc[r * NT + t]);
