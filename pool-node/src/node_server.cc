@@ -114,6 +114,11 @@ absl::StatusOr<std::unique_ptr<NodeServer>> NodeServer::Start(NodeConfig config)
   builder.AddListeningPort(s.cfg.listen, grpc::InsecureServerCredentials(), &s.port);
   builder.SetMaxReceiveMessageSize(64 << 20);
   builder.SetMaxSendMessageSize(64 << 20);
+  // Reserve and Commit run on the sync server's threads. With gRPC's defaults (1..2
+  // pollers) a Reserve arriving while a Commit hashes starts a thread that exits again
+  // when both are done, i.e. thread churn during every pipelined Put.
+  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MIN_POLLERS, 2);
+  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MAX_POLLERS, 4);
   if (po.node_id == "pool-node" || po.node_id.empty()) po.node_id = "pool-node";
   if (!s.cfg.router.empty()) {
     // The advertised port is filled in once the server has bound it (--listen=host:0).

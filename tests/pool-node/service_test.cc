@@ -20,6 +20,7 @@
 namespace kvpool::pool_node {
 namespace {
 
+using testing::Bytes;
 using testing::H;
 using testing::Pattern;
 
@@ -124,21 +125,53 @@ class ServiceTest : public ::testing::Test {
     if (router_server_) router_server_->Shutdown();
   }
 
-  // Writes Pattern(seed) into local pages [first, first + n) and returns them.
-  std::vector<uint64_t> Stage(uint64_t seed, uint64_t length, uint64_t first) {
+  // Writes Pattern(seed) into local pages [first, first + n) of `base` (default: the
+  // fixture's arena) and returns them.
+  std::vector<uint64_t> Stage(uint64_t seed, uint64_t length, uint64_t first, std::byte* base = nullptr) {
+    if (base == nullptr) base = arena_->base();
     const std::string bytes = Pattern(seed, length);
     std::vector<uint64_t> pages;
     for (uint64_t off = 0, p = first; off < length; off += kLocalPage, ++p) {
-      std::memcpy(arena_->base() + p * kLocalPage, bytes.data() + off, std::min(kLocalPage, length - off));
+      std::memcpy(base + p * kLocalPage, bytes.data() + off, std::min(kLocalPage, length - off));
       pages.push_back(p);
     }
     return pages;
   }
-  std::string LocalBytes(const std::vector<uint64_t>& pages, uint64_t length) {
+  // Local destination pages for each of the lease's objects, from page `first` of `base`
+  // (default: the fixture's arena), filled with 0xCD.
+  std::vector<std::vector<uint64_t>> Destinations(const PoolLease& lease, uint64_t first,
+                                                  std::byte* base = nullptr) {
+    if (base == nullptr) base = arena_->base();
+    std::vector<std::vector<uint64_t>> dst;
+    for (const RemoteObject& obj : lease.objects) {
+      std::vector<uint64_t> pages;
+      for (uint64_t off = 0; off < obj.length; off += kLocalPage) pages.push_back(first++);
+      for (uint64_t q : pages) std::memset(base + q * kLocalPage, 0xCD, kLocalPage);
+      dst.push_back(pages);
+    }
+    return dst;
+  }
+  // A parent-linked chain staged from local page 0 of `base`: item i holds
+  // Pattern(seed + i, lengths[i]) and is keyed H(key + i).
+  std::vector<PutItem> StageChain(uint64_t seed, uint64_t key, const std::vector<uint64_t>& lengths,
+                                  std::byte* base = nullptr) {
+    std::vector<PutItem> items;
+    std::optional<BlockHash> parent;
+    uint64_t next = 0;
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      auto pages = Stage(seed + i, lengths[i], next, base);
+      next += pages.size();
+      items.push_back(PutItem{H(key + i), parent, StateKind::kAttnKv, pages, lengths[i]});
+      parent = H(key + i);
+    }
+    return items;
+  }
+  std::string LocalBytes(const std::vector<uint64_t>& pages, uint64_t length, std::byte* base = nullptr) {
+    if (base == nullptr) base = arena_->base();
     std::string out;
     for (uint64_t p : pages) {
       const uint64_t n = std::min(kLocalPage, length - out.size());
-      out.append(reinterpret_cast<const char*>(arena_->base() + p * kLocalPage), n);
+      out.append(reinterpret_cast<const char*>(base + p * kLocalPage), n);
     }
     return out;
   }
@@ -168,15 +201,7 @@ TEST_F(ServiceTest, PipelinedPutAcrossPiecesAndAsyncReleaseAreByteExact) {
   auto client = PoolClient::Connect(o);
   ASSERT_TRUE(client.ok()) << client.status();
   const std::vector<uint64_t> lengths = {65'536, 1, 150'001, 99'999, 131'072, 7, 200'000, 40'000};
-  std::vector<PutItem> items;
-  std::optional<BlockHash> parent;
-  uint64_t next = 0;
-  for (size_t i = 0; i < lengths.size(); ++i) {
-    auto pages = Stage(100 + i, lengths[i], next);
-    next += pages.size();
-    items.push_back(PutItem{H(500 + i), parent, StateKind::kAttnKv, pages, lengths[i]});
-    parent = H(500 + i);
-  }
+  const std::vector<PutItem> items = StageChain(100, 500, lengths);
   auto put = (*client)->Put(items);
   ASSERT_TRUE(put.ok()) << put.status();
   ASSERT_EQ(put->size(), items.size());
@@ -190,14 +215,7 @@ TEST_F(ServiceTest, PipelinedPutAcrossPiecesAndAsyncReleaseAreByteExact) {
   auto lease = (*client)->Lookup(chain);
   ASSERT_TRUE(lease.ok()) << lease.status();
   ASSERT_EQ(lease->prefix_blocks, lengths.size());
-  std::vector<std::vector<uint64_t>> dst;
-  uint64_t p = 128;
-  for (const RemoteObject& obj : lease->objects) {
-    std::vector<uint64_t> pages;
-    for (uint64_t off = 0; off < obj.length; off += kLocalPage) pages.push_back(p++);
-    for (uint64_t q : pages) std::memset(arena_->base() + q * kLocalPage, 0xCD, kLocalPage);
-    dst.push_back(pages);
-  }
+  const std::vector<std::vector<uint64_t>> dst = Destinations(*lease, 128);
   ASSERT_TRUE((*client)->Get(*lease, dst).ok());
   for (size_t i = 0; i < lengths.size(); ++i) {
     EXPECT_TRUE(LocalBytes(dst[i], lengths[i]) == Pattern(100 + i, lengths[i])) << "item " << i;
@@ -398,6 +416,122 @@ TEST_F(ServiceTest, HealthAndMetricsAreServed) {
   EXPECT_EQ(r->status, 200);
   EXPECT_THAT(r->body, ::testing::HasSubstr("kvpool_pool_capacity_bytes{tier=\"dram\"} 4194304"));
   EXPECT_THAT(r->body, ::testing::HasSubstr("kvpool_pool_rpcs_total"));
+}
+
+// A client whose endpoint uses active messages (as over TCP): transfers complete after
+// PutAsync/GetAsync return, with two pipelined pieces in flight and their checksums taken
+// on the transport's progress thread. Byte-exact across pieces; bytes changed on the
+// node are caught by Get (DATA_LOSS naming the object).
+TEST_F(ServiceTest, PipelinedPutAndGetOverActiveMessagesAreByteExactAndChecked) {
+  auto ctx = transport::Context::Create();
+  ASSERT_TRUE(ctx.ok()) << ctx.status();
+  transport::WorkerOptions wo;
+  wo.protocol = transport::Protocol::kActiveMessage;
+  auto worker = transport::Worker::Create(*ctx, wo);
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  auto arena = (*worker)->AllocateArena(256 * kLocalPage, kLocalPage);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  PoolClientOptions o;
+  o.node_address = address_;
+  o.client_id = "am-client";
+  o.worker = worker->get();
+  o.local_arena = *arena;
+  o.put_pipeline_bytes = 100'000;  // a Reserve/Commit piece every one or two items
+  auto client = PoolClient::Connect(o);
+  ASSERT_TRUE(client.ok()) << client.status();
+  std::byte* local = (*arena)->base();
+  const std::vector<uint64_t> lengths = {65'536, 1, 150'001, 99'999, 131'072, 7, 200'000, 40'000};
+  const std::vector<PutItem> items = StageChain(700, 700, lengths, local);
+  std::vector<BlockHash> chain;
+  for (const PutItem& it : items) chain.push_back(it.hash);
+  auto put = (*client)->Put(items);
+  ASSERT_TRUE(put.ok()) << put.status();
+  for (const auto& st : *put) EXPECT_TRUE(st.ok()) << st;
+
+  auto lease = (*client)->Lookup(chain);
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  ASSERT_EQ(lease->prefix_blocks, lengths.size());
+  for (size_t i = 0; i < lease->objects.size(); ++i) {
+    const RemoteObject& obj = lease->objects[i];
+    EXPECT_EQ(obj.checksum, Checksum64(Bytes(Pattern(700 + i, obj.length))));
+  }
+  const std::vector<std::vector<uint64_t>> dst = Destinations(*lease, 128, local);
+  absl::Status got = (*client)->Get(*lease, dst);
+  ASSERT_TRUE(got.ok()) << got;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    EXPECT_TRUE(LocalBytes(dst[i], lengths[i], local) == Pattern(700 + i, lengths[i])) << "item " << i;
+  }
+
+  // One byte of object 6 changes on the node: that Get fails, naming it.
+  node_->core().arena_base()[uint64_t{lease->objects[6].pages[0]} * kNodePage + 17] ^= std::byte{1};
+  got = (*client)->Get(*lease, dst);
+  EXPECT_EQ(got.code(), absl::StatusCode::kDataLoss) << got;
+  EXPECT_THAT(std::string(got.message()), ::testing::HasSubstr("object 6"));
+  EXPECT_TRUE((*client)->Release(lease->lease_id).ok());
+}
+
+// What a pipelined Put does on the wire: the next piece is reserved before the previous
+// one is committed. A piece whose bytes do not match its checksum is refused (DATA_LOSS)
+// and its pages freed, while the piece committed before it stays stored and visible.
+TEST_F(ServiceTest, CorruptedPieceOfAPipelinedPutIsDroppedAndItsPagesFreed) {
+  auto reserve = [&](BlockHash h, uint64_t length) {
+    grpc::ClientContext ctx;
+    v1::ReserveRequest req;
+    req.set_client_id("raw");
+    auto* e = req.add_entries();
+    e->set_block_hash(h.ToBytes());
+    e->set_kind(v1::STATE_KIND_ATTN_KV);
+    e->set_length(length);
+    v1::ReserveResponse resp;
+    EXPECT_TRUE(stub_->Reserve(&ctx, req, &resp).ok());
+    return resp;
+  };
+  auto write = [&](const v1::ReserveResponse& r, const std::string& bytes) {
+    uint64_t off = 0;
+    for (uint32_t page : r.results(0).run().pages()) {
+      const uint64_t n = std::min<uint64_t>(kNodePage, bytes.size() - off);
+      std::memcpy(node_->core().arena_base() + uint64_t{page} * kNodePage, bytes.data() + off, n);
+      off += n;
+    }
+  };
+  auto commit = [&](const v1::ReserveResponse& r, BlockHash h, uint64_t checksum) {
+    grpc::ClientContext ctx;
+    v1::CommitRequest req;
+    req.set_reservation_id(r.reservation_id());
+    auto* ce = req.add_entries();
+    ce->set_block_hash(h.ToBytes());
+    ce->set_checksum(checksum);
+    v1::CommitResponse resp;
+    EXPECT_TRUE(stub_->Commit(&ctx, req, &resp).ok());
+    return resp.results_size() == 1 ? resp.results(0).code() : -1;
+  };
+  const std::string a = Pattern(60, 100'000), b = Pattern(61, 70'000);
+  const v1::ReserveResponse ra = reserve(H(60), a.size());
+  const v1::ReserveResponse rb = reserve(H(61), b.size());  // reserved ahead, as Put does
+  ASSERT_EQ(ra.results_size(), 1);
+  ASSERT_EQ(rb.results_size(), 1);
+  write(ra, a);
+  std::string bad = b;
+  bad[12'345] ^= 1;  // the second piece lands with one byte changed
+  write(rb, bad);
+  EXPECT_EQ(commit(ra, H(60), Checksum64(Bytes(a))), 0);
+  EXPECT_EQ(commit(rb, H(61), Checksum64(Bytes(b))), static_cast<int>(grpc::StatusCode::DATA_LOSS));
+
+  auto stats = client_->GetStats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->checksum_failures(), 1u);
+  EXPECT_EQ(stats->reserved_bytes(), 0u);
+  EXPECT_EQ(stats->pending_reservations(), 0u);
+  EXPECT_EQ(stats->tiers(0).used_bytes(), 2 * kNodePage);  // only the first piece's pages
+  auto first = client_->Lookup(std::vector<BlockHash>{H(60)});
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->prefix_blocks, 1u);
+  auto second = client_->Lookup(std::vector<BlockHash>{H(61)});
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->prefix_blocks, 0u);
+  if (first->lease_id != 0) {
+    EXPECT_TRUE(client_->Release(first->lease_id).ok());
+  }
 }
 
 TEST_F(ServiceTest, GetAfterLeaseExpiryFailsCleanly) {

@@ -101,6 +101,18 @@ void WaitFor(grpc::CompletionQueue& cq, const bool& finished) {
   while (!finished && cq.Next(&tag, &ok)) *static_cast<bool*>(tag) = true;
 }
 
+// Lets `cq` do the I/O that is ready, without blocking. gRPC writes a request started
+// on a completion queue only when some thread polls that queue: a Commit started just
+// before the next piece's copy reached the node only after that copy (traced: 1-1.5 ms
+// late per 8 MiB piece), so the node verified piece k while piece k+2 was copied.
+void Kick(grpc::CompletionQueue& cq) {
+  void* tag;
+  bool ok;
+  while (cq.AsyncNext(&tag, &ok, gpr_time_0(GPR_CLOCK_MONOTONIC)) == grpc::CompletionQueue::GOT_EVENT) {
+    *static_cast<bool*>(tag) = true;
+  }
+}
+
 // Waits for every call still on `cq`, then shuts it down.
 void Drain(grpc::CompletionQueue& cq, size_t in_flight) {
   void* tag;
@@ -296,6 +308,7 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
     c->reader->StartCall();
     c->reader->Finish(&c->resp, &c->status, &c->finished);
     ++started;
+    Kick(cq);  // the request leaves now, not after the next copy
     reserves[k] = std::move(c);
   };
 
@@ -361,6 +374,7 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
     c->reader->StartCall();
     c->reader->Finish(&c->resp, &c->status, &c->finished);
     ++started;
+    Kick(cq);  // the node verifies piece k while this thread copies piece k+1
     commits[k] = std::move(c);
     return absl::OkStatus();
   };
