@@ -1,12 +1,10 @@
 // A second process for the multi-process transport tests.
 //
-//   transport_peer owner <pages> <page_bytes> <seed> <tls|-> <protocol> [<timeout_ms>]
+//   transport_peer owner <pages> <page_bytes> <seed> <tls|-> <protocol>
 //     Allocates an arena filled with pattern <seed> at arena offsets, prints
 //     "ADDR <hex>" and "ARENA <hex>", then serves and answers stdin commands:
 //       check <seed> <page>...   -> "ok" | "bad <page index> <byte>"   (pattern at object
 //                                   offsets: page k of the list holds bytes k*page_bytes..)
-//       stats                    -> "served <n> refused <n> abandoned <n> in_flight <n>"
-//     <timeout_ms>: WorkerOptions::batch_timeout (default 10 s).
 //       quit                     -> exits 0 (EOF too)
 //   transport_peer client <tls|-> <protocol> <addr hex> <arena hex>
 //     Connects to an owner and puts + gets 16 pages in a loop, printing "running" after
@@ -32,20 +30,20 @@ ContextOptions Ctx(const std::string& tls) {
   return o;
 }
 
-WorkerOptions Opts(const std::string& protocol, absl::Duration timeout = absl::Seconds(10)) {
+WorkerOptions Opts(const std::string& protocol) {
   WorkerOptions o;
   o.protocol = protocol == "rma" ? Protocol::kRma
                : protocol == "am" ? Protocol::kActiveMessage
                                   : Protocol::kAuto;
-  o.batch_timeout = timeout;
+  o.batch_timeout = absl::Seconds(10);
   return o;
 }
 
 int Owner(uint64_t pages, uint64_t page_bytes, uint64_t seed, const std::string& tls,
-          const std::string& protocol, absl::Duration timeout) {
+          const std::string& protocol) {
   auto ctx = Context::Create(Ctx(tls));
   if (!ctx.ok()) { std::cerr << ctx.status() << "\n"; return 2; }
-  auto w = Worker::Create(*ctx, Opts(protocol, timeout));
+  auto w = Worker::Create(*ctx, Opts(protocol));
   if (!w.ok()) { std::cerr << w.status() << "\n"; return 2; }
   auto arena = (*w)->AllocateArena(pages * page_bytes, page_bytes);
   if (!arena.ok()) { std::cerr << arena.status() << "\n"; return 2; }
@@ -57,13 +55,6 @@ int Owner(uint64_t pages, uint64_t page_bytes, uint64_t seed, const std::string&
     std::vector<std::string> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
     if (f.empty()) continue;
     if (f[0] == "quit") break;
-    if (f[0] == "stats") {
-      const WorkerStats st = (*w)->stats();
-      std::cout << "served " << st.am_requests_served << " refused " << st.am_requests_refused
-                << " abandoned " << st.am_requests_abandoned << " in_flight "
-                << st.am_requests_in_flight << std::endl;
-      continue;
-    }
     if (f[0] == "check" && f.size() >= 2) {
       uint64_t s = 0;
       (void)absl::SimpleAtoi(f[1], &s);
@@ -121,14 +112,13 @@ int Client(const std::string& tls, const std::string& protocol, const std::strin
 
 int main(int argc, char** argv) {
   std::vector<std::string> a(argv + 1, argv + argc);
-  if ((a.size() == 6 || a.size() == 7) && a[0] == "owner") {
-    uint64_t pages = 0, pb = 0, seed = 0, timeout_ms = 10000;
+  if (a.size() == 6 && a[0] == "owner") {
+    uint64_t pages = 0, pb = 0, seed = 0;
     if (!absl::SimpleAtoi(a[1], &pages) || !absl::SimpleAtoi(a[2], &pb) ||
-        !absl::SimpleAtoi(a[3], &seed) ||
-        (a.size() == 7 && !absl::SimpleAtoi(a[6], &timeout_ms))) {
+        !absl::SimpleAtoi(a[3], &seed)) {
       return 64;
     }
-    return Owner(pages, pb, seed, a[4], a[5], absl::Milliseconds(timeout_ms));
+    return Owner(pages, pb, seed, a[4], a[5]);
   }
   if (a.size() == 5 && a[0] == "client") return Client(a[1], a[2], a[3], a[4]);
   std::cerr << "usage: see the comment at the top of transport_peer.cc\n";

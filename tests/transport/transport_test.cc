@@ -12,11 +12,8 @@
 #include <future>
 #include <numeric>
 #include <random>
-#include <string>
-#include <string_view>
 #include <thread>
 
-#include "absl/strings/match.h"
 #include "kvpool/transport/page_view.h"
 #include "test_util.h"
 #include "transport_test_util.h"
@@ -107,17 +104,6 @@ class TransportTest : public ::testing::TestWithParam<Mode> {
 
 TEST_P(TransportTest, PicksTheProtocolForTheTransport) {
   EXPECT_EQ(ep_->protocol(), GetParam().expected) << ep_->Describe();
-}
-
-// Over tcp an endpoint both watches its peer and moves large messages by zero-copy
-// rendezvous (UCX "rma_bw" lanes), which UCX 1.13 gives only to endpoints that do not
-// ask for peer-failure handling: the data goes over one, a second one watches the peer.
-TEST_P(TransportTest, TcpWatchesThePeerAndKeepsZeroCopyRendezvous) {
-  if (std::string_view(GetParam().tls) != "tcp") GTEST_SKIP() << "tcp only";
-  EXPECT_TRUE(ep_->peer_failure_detection());
-  const std::string info = ep_->Describe();
-  const std::string data = info.substr(0, info.find("peer watched by"));
-  EXPECT_TRUE(absl::StrContains(data, "rma_bw#")) << info;
 }
 
 // An MLA block written on the client lands in scattered owner pages of another size,

@@ -11,7 +11,6 @@
 // The owner never trusts the header: every segment is checked against a live arena
 // before a byte moves. Callbacks never block: replies are non-blocking sends whose
 // state (header, iov, arena references) lives in an OwnerOp until UCX completes it.
-#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -25,27 +24,13 @@ void OwnerRecvCb(void* request, ucs_status_t status, size_t length, void* user_d
 
 }  // namespace
 
-// One owner-side UCX request (a rendezvous receive or a reply) in flight. Registered in
-// WorkerImpl::owner_ops_ for its lifetime (progress thread / under ucx_mu_).
 struct OwnerOp {
-  OwnerOp(WorkerImpl* w, ucp_ep_h ep) : worker(w), reply_ep(ep), started_ns(MonoNanos()) {
-    worker->owner_ops_.insert(this);
-  }
-  ~OwnerOp() {
-    worker->owner_ops_.erase(this);
-    worker->abandoned_ops_.erase(this);
-  }
-  OwnerOp(const OwnerOp&) = delete;
-  OwnerOp& operator=(const OwnerOp&) = delete;
-
-  WorkerImpl* const worker;
-  const ucp_ep_h reply_ep;
-  const int64_t started_ns;  // MonoNanos
+  WorkerImpl* worker = nullptr;
+  ucp_ep_h reply_ep = nullptr;
   AmHeader header{};
   std::vector<ucp_dt_iov_t> iov;
   std::vector<std::shared_ptr<Arena>> hold;
-  bool refused = false;    // the reply carries a refusal
-  bool abandoned = false;  // moved to abandoned_ops_ by ReapStuckOwnerOps
+  bool refused = false;  // the reply carries a refusal
 };
 
 namespace {
@@ -54,10 +39,9 @@ void OwnerSendCb(void* request, ucs_status_t status, void* user_data) {
   auto* op = static_cast<OwnerOp*>(user_data);
   WorkerImpl* w = op->worker;
   const bool served = status == UCS_OK && !op->refused;
-  const bool abandoned = op->abandoned;
   delete op;
   ucp_request_free(request);
-  w->OwnerOpDone(served, abandoned);
+  w->OwnerOpDone(served);
 }
 
 void OwnerRecvCb(void* request, ucs_status_t status, size_t /*length*/, void* user_data) {
@@ -120,7 +104,8 @@ void WorkerImpl::SendOwnerReply(ucp_ep_h reply_ep, unsigned id, uint64_t batch_i
                                 uint32_t part, absl::Status status,
                                 std::vector<ucp_dt_iov_t> iov,
                                 std::vector<std::shared_ptr<Arena>> hold) {
-  auto* op = new OwnerOp(this, reply_ep);
+  auto* op = new OwnerOp();
+  op->worker = this;
   op->header.batch_id = batch_id;
   op->header.part = part;
   op->header.status = static_cast<uint32_t>(status.code());
@@ -144,17 +129,18 @@ void WorkerImpl::SendOwnerReply(ucp_ep_h reply_ep, unsigned id, uint64_t batch_i
     payload = op->iov.data();
     count = op->iov.size();
   }
+  ++owner_inflight_;
   ucs_status_ptr_t r = ucp_am_send_nbx(reply_ep, id, &op->header, sizeof(op->header), payload,
                                        count, &p);
   if (r == nullptr || UCS_PTR_IS_ERR(r)) {
     const bool served = r == nullptr && !op->refused;
     delete op;
-    OwnerOpDone(served, false);
+    OwnerOpDone(served);
   }
 }
 
-void WorkerImpl::OwnerOpDone(bool ok, bool abandoned) {
-  if (abandoned) return;  // counted when it was abandoned
+void WorkerImpl::OwnerOpDone(bool ok) {
+  --owner_inflight_;
   absl::MutexLock l(&mu_);
   ++(ok ? stats_.am_requests_served : stats_.am_requests_refused);
 }
@@ -163,10 +149,10 @@ void WorkerImpl::OwnerPutReceived(OwnerOp* op, ucs_status_t status) {
   std::unique_ptr<OwnerOp> owned(op);
   if (status != UCS_OK) {
     // The initiator is most likely gone: its endpoint fails the batch; do not reply.
-    OwnerOpDone(false, op->abandoned);
+    OwnerOpDone(false);
     return;
   }
-  // The receive is done; the ack is an op of its own.
+  --owner_inflight_;  // the receive; the ack counts on its own
   SendOwnerReply(op->reply_ep, kAmPutAck, op->header.batch_id, op->header.part,
                  absl::OkStatus(), {}, {});
 }
@@ -209,7 +195,9 @@ ucs_status_t WorkerImpl::OnAm(unsigned id, const void* header, size_t header_len
     SendOwnerReply(reply_ep, kAmPutAck, h.batch_id, h.part, absl::OkStatus(), {}, {});
     return UCS_OK;
   }
-  auto* op = new OwnerOp(this, reply_ep);
+  auto* op = new OwnerOp();
+  op->worker = this;
+  op->reply_ep = reply_ep;
   op->header = h;
   op->iov = std::move(iov);
   op->hold = std::move(hold);
@@ -217,6 +205,7 @@ ucs_status_t WorkerImpl::OnAm(unsigned id, const void* header, size_t header_len
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   p.cb.recv_am = &OwnerRecvCb;
   p.user_data = op;
+  ++owner_inflight_;
   ucs_status_ptr_t r;
   if (op->iov.size() == 1) {  // contiguous: zero-copy rendezvous where UCX has one
     r = ucp_am_recv_data_nbx(worker_, data, op->iov[0].buffer, op->iov[0].length, &p);
@@ -293,51 +282,6 @@ ucs_status_t WorkerImpl::OnInitiatorReply(unsigned id, const AmHeader& h, void* 
   }
   // else: InitiatorRecvCb completes this part.
   return UCS_INPROGRESS;
-}
-
-void WorkerImpl::ReapStuckOwnerOps(int64_t mono_now) {
-  if (mono_now - last_owner_check_ns_ < 100'000'000) return;  // every 100 ms
-  last_owner_check_ns_ = mono_now;
-  const int64_t timeout_ns = absl::ToInt64Nanoseconds(options_.batch_timeout);
-  // An initiator that connects with a mode-NONE data endpoint (tcp, see Connect) and
-  // dies leaves this side's requests on that endpoint pending for good: UCX fails such
-  // an endpoint without completing them, and closing it does not cancel them either
-  // (measured, UCX 1.13.1). After batch_timeout (by then the initiator has failed the
-  // batch itself) close the endpoint and set its ops aside: they no longer count as in
-  // flight, and are freed by a late completion or when the worker is destroyed.
-  std::vector<ucp_ep_h> stuck;
-  for (OwnerOp* op : owner_ops_) {
-    if (mono_now - op->started_ns > timeout_ns &&
-        std::find(stuck.begin(), stuck.end(), op->reply_ep) == stuck.end()) {
-      stuck.push_back(op->reply_ep);
-    }
-  }
-  if (stuck.empty()) return;
-  std::vector<OwnerOp*> ops;
-  for (OwnerOp* op : owner_ops_) {
-    if (std::find(stuck.begin(), stuck.end(), op->reply_ep) != stuck.end()) ops.push_back(op);
-  }
-  for (OwnerOp* op : ops) {
-    op->abandoned = true;
-    owner_ops_.erase(op);
-    abandoned_ops_.insert(op);
-  }
-  {
-    absl::MutexLock l(&mu_);
-    stats_.am_requests_abandoned += ops.size();
-  }
-  for (ucp_ep_h ep : stuck) {
-    ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    void* req = ucp_ep_close_nbx(ep, &p);
-    if (req != nullptr && !UCS_PTR_IS_ERR(req)) closing_reqs_.push_back(req);
-  }
-}
-
-void WorkerImpl::FreeOwnerOps() {
-  while (!abandoned_ops_.empty()) delete *abandoned_ops_.begin();
-  while (!owner_ops_.empty()) delete *owner_ops_.begin();
 }
 
 }  // namespace kvpool::transport

@@ -146,20 +146,9 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(std::shared_ptr<Context> 
 const std::string& Worker::address() const { return impl_->address_; }
 const WorkerOptions& Worker::options() const { return impl_->options_; }
 
-void WorkerImpl::CountInFlight(WorkerStats* s) {
-  CallerLock l(this);
-  s->am_requests_in_flight = owner_ops_.size();
-  s->batches_in_flight = batches_.size();
-}
-
 WorkerStats Worker::stats() const {
-  WorkerStats s;
-  {
-    absl::MutexLock l(&impl_->mu_);
-    s = impl_->stats_;
-  }
-  impl_->CountInFlight(&s);
-  return s;
+  absl::MutexLock l(&impl_->mu_);
+  return impl_->stats_;
 }
 
 absl::StatusOr<std::shared_ptr<Arena>> Worker::RegisterArena(std::span<std::byte> memory,

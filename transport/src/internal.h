@@ -12,7 +12,6 @@
 #include <ucp/api/ucp.h>
 
 #include <sys/types.h>
-#include <time.h>
 
 #include <atomic>
 #include <cstdint>
@@ -25,7 +24,6 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -40,14 +38,6 @@ std::string WrapAddress(absl::string_view ucx);
 // *same_host_pid: its pid when it is another process on this host, else 0.
 void UnwrapAddress(absl::string_view in, std::string* ucx, pid_t* same_host_pid,
                    bool* same_host);
-
-// CLOCK_MONOTONIC in ns: ~30 ns here against ~60 for absl::Now (measured), for the
-// polling loops' timing; deadlines stay in absl::Time.
-inline int64_t MonoNanos() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return int64_t{ts.tv_sec} * 1'000'000'000 + ts.tv_nsec;
-}
 
 // ucs_status_t -> absl::Status, once, where UCX hands it to us.
 absl::Status FromUcs(ucs_status_t status, absl::string_view what);
@@ -108,7 +98,6 @@ struct Batch {
   // freed when it is finished and nothing is outstanding.
   int outstanding = 0;
   bool finished = false;
-  absl::Time finished_at;
   absl::Status status;  // first error
   // AM: per-message local iovs and headers (alive until the message completes).
   std::vector<std::vector<ucp_dt_iov_t>> iovs;
@@ -140,12 +129,8 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   // True when UCX cannot watch the peer and its (same-host) process has exited.
   bool PeerProcessGone() const;
 
-  // Progress thread only. peer_ep_, when set, is a second endpoint to the same peer, in
-  // PEER error mode: it watches the peer (its errors fail this endpoint) and carries the
-  // active messages below kZeroCopyMinBytes; ep_ is then mode NONE and carries the larger
-  // ones by zero-copy rendezvous (see WorkerImpl::Connect).
+  // Progress thread only.
   ucp_ep_h ep_ = nullptr;
-  ucp_ep_h peer_ep_ = nullptr;
   bool closing_ = false;
 
   absl::Status health() const {
@@ -191,9 +176,7 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
 
   // Progress-thread callbacks from UCX.
   void OnOpDone(Batch* b, ucs_status_t status);
-  void OwnerOpDone(bool ok, bool abandoned);
-  // Fills the live counts of `s` (takes ucx_mu_).
-  void CountInFlight(WorkerStats* s);
+  void OwnerOpDone(bool ok);
   void OwnerPutReceived(OwnerOp* op, ucs_status_t status);
   std::shared_ptr<Arena> FindArena(uint32_t id);
   void OnEpError(EndpointImpl* ep, ucs_status_t status);
@@ -216,12 +199,12 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   std::vector<std::pair<BatchCallback, absl::Status>> ready_ ABSL_GUARDED_BY(ucx_mu_);
   void RunCallbacks();
   bool ProgressFromCaller();
-  // When a caller last drove progress (Worker::Progress), MonoNanos;
+  // When a caller last drove progress (Worker::Progress), absl::GetCurrentTimeNanos;
   // relaxed: a hint for the progress thread to back off, nothing is published through it.
   std::atomic<int64_t> external_progress_ns_{0};
   // The progress thread leaves UCX to a caller that polled within this many ns.
   static constexpr int64_t kCallerProgressNs = 1'000'000;
-  bool CallerDrivesProgress(int64_t now) const;  // now: MonoNanos
+  bool CallerDrivesProgress() const;
   // Threads other than the progress thread waiting for ucx_mu_ (Submit, Progress).
   // absl::Mutex does not hand the lock over, so a progress thread that polls while work
   // is in flight would re-take it at once and starve them: it lets them in first.
@@ -238,7 +221,6 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   void Loop();
   void RunQueue();
   friend class EndpointImpl;
-  friend struct OwnerOp;
   void StartBatch(std::unique_ptr<Batch> b);
   void Track(Batch& b, ucs_status_ptr_t r, absl::string_view what);
   void StartRma(Batch& b);
@@ -246,7 +228,7 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   void Finish(Batch& b, absl::Status s);
   void MaybeFree(uint64_t id);
   void FailEndpointBatches(EndpointImpl* ep, const absl::Status& s);
-  void CheckDeadlines(int64_t mono_now);  // rate-limited: every 5 ms
+  void CheckDeadlines();
   void ReapClosedEndpoints();
   absl::Status ResolveOwnerSegments(const WireSeg* segs, uint32_t n, uint64_t total,
                                     std::vector<ucp_dt_iov_t>* iov,
@@ -264,21 +246,12 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   uint64_t next_batch_ = 1;        // progress thread only
   // Progress thread only.
   absl::flat_hash_map<uint64_t, std::unique_ptr<Batch>> batches_;
-  // Failed batches UCX never released (see CheckDeadlines); freed at Shutdown.
-  std::vector<std::unique_ptr<Batch>> abandoned_batches_;
   std::vector<std::shared_ptr<EndpointImpl>> endpoints_;
   std::vector<void*> closing_reqs_;
   std::vector<std::shared_ptr<EndpointImpl>> to_close_;
-  // Owner-side AM receives/sends not yet complete (each OwnerOp registers itself).
-  absl::flat_hash_set<OwnerOp*> owner_ops_;
-  // Ops given up on by ReapStuckOwnerOps; freed by a late completion or at Shutdown.
-  absl::flat_hash_set<OwnerOp*> abandoned_ops_;
-  void FreeOwnerOps();  // both sets, once the ucp worker is destroyed
-  int64_t last_owner_check_ns_ = 0;  // MonoNanos
-  // Closes the reply endpoints of owner ops pending for longer than batch_timeout.
-  void ReapStuckOwnerOps(int64_t mono_now);
+  int owner_inflight_ = 0;  // owner-side AM receives/sends not yet complete
   uint32_t next_arena_id_ ABSL_GUARDED_BY(mu_) = 1;
-  int64_t last_deadline_check_ns_ = 0;  // MonoNanos
+  absl::Time last_deadline_check_ = absl::InfinitePast();
 };
 
 // Holds WorkerImpl::ucx_mu_ on a caller's thread (Submit, Progress, RunSync), counted in

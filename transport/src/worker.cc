@@ -40,18 +40,9 @@ constexpr uint32_t kMaxSegsPerMsg = 64;
 constexpr uint64_t kObservePiece = 16 << 10;
 // Active messages: segments at least this long are sent alone, contiguous (see StartAm).
 constexpr uint64_t kAloneBytes = 64 << 10;
-// Contiguous active messages at least this long take the zero-copy endpoint where an
-// endpoint has two (EndpointImpl::peer_ep_). Over tcp loopback a zero-copy rendezvous costs two more
-// control messages than UCX's AM-fragment one but saves the receiver's copy: 64 KiB
-// messages went at ~1.5x the speed by AM fragments, 1 MiB ones at ~1.3-2x by zero-copy,
-// 256 KiB ones level (measured on the 2-core dev box).
-constexpr uint64_t kZeroCopyMinBytes = 256 << 10;
 // The progress thread polls while work is in flight, until this long passes without an
 // event (see WorkerImpl::Loop).
 constexpr absl::Duration kInflightPoll = absl::Milliseconds(20);
-// A failed batch on a closed endpoint whose UCX requests are still pending this long
-// after it finished is set aside (see WorkerImpl::CheckDeadlines).
-constexpr absl::Duration kAbandonAfter = absl::Seconds(1);
 
 void SendCb(void* request, ucs_status_t status, void* user_data) {
   auto* b = static_cast<Batch*>(user_data);
@@ -117,14 +108,6 @@ void Populate(std::byte* p, uint64_t len, bool fresh) {
 bool LanesUseSharedMemory(absl::string_view ep_info) {
   for (absl::string_view tl : {"sysv/", "posix/", "cma/", "knem/", "xpmem/"}) {
     if (absl::StrContains(ep_info, tl)) return true;
-  }
-  return false;
-}
-
-// Some lane can carry zero-copy rendezvous (UCX's "rma_bw" lanes: put/get zcopy).
-bool LanesHaveRmaBw(absl::string_view ep_info) {
-  for (absl::string_view line : absl::StrSplit(ep_info, '\n')) {
-    if (absl::StrContains(line, "lane[") && absl::StrContains(line, "rma_bw#")) return true;
   }
   return false;
 }
@@ -256,9 +239,6 @@ void WorkerImpl::Shutdown() {
     ucp_worker_destroy(worker_);
     worker_ = nullptr;
   }
-  // No UCX callback can run any more: free what UCX never completed.
-  FreeOwnerOps();
-  abandoned_batches_.clear();
   if (epfd_ >= 0) close(epfd_);
   epfd_ = -1;
 }
@@ -277,24 +257,23 @@ bool WorkerImpl::ProgressFromCaller() {
   bool progressed = false;
   std::vector<std::pair<BatchCallback, absl::Status>> ready;
   // Before the lock: the progress thread backs off from its next round on.
-  const int64_t now = MonoNanos();
-  external_progress_ns_.store(now, std::memory_order_relaxed);
+  external_progress_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed);
   {
     CallerLock l(this);
     if (closed_) return false;
     while (ucp_worker_progress(worker_) != 0) progressed = true;
     ReapClosedEndpoints();
-    if (!batches_.empty()) CheckDeadlines(now);
-    if (!owner_ops_.empty()) ReapStuckOwnerOps(now);
+    if (!batches_.empty()) CheckDeadlines();
     ready.swap(ready_);  // taken here rather than under a second lock in RunCallbacks
   }
-  external_progress_ns_.store(MonoNanos(), std::memory_order_relaxed);
+  external_progress_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed);
   for (auto& [done, status] : ready) done(std::move(status));
   return progressed;
 }
 
-bool WorkerImpl::CallerDrivesProgress(int64_t now) const {
-  return now - external_progress_ns_.load(std::memory_order_relaxed) < kCallerProgressNs;
+bool WorkerImpl::CallerDrivesProgress() const {
+  return absl::GetCurrentTimeNanos() - external_progress_ns_.load(std::memory_order_relaxed) <
+         kCallerProgressNs;
 }
 
 absl::Status WorkerImpl::RunSync(std::function<absl::Status()> fn) {
@@ -318,11 +297,6 @@ void WorkerImpl::RunCallbacks() {
 }
 
 void WorkerImpl::RunQueue() {
-  {
-    // Most rounds find nothing: check before building a deque (which allocates).
-    absl::MutexLock l(&mu_);
-    if (queue_.empty()) return;
-  }
   std::deque<std::function<void()>> q;
   {
     absl::MutexLock l(&mu_);
@@ -332,11 +306,7 @@ void WorkerImpl::RunQueue() {
 }
 
 void WorkerImpl::Loop() {
-  // Times in MonoNanos, read once per round (a polling round is a few hundred ns: three
-  // or four absl::Now() calls at ~60 ns each were a sizeable part of it).
-  int64_t last_progress = MonoNanos();
-  const int64_t spin_ns = absl::ToInt64Nanoseconds(options_.spin);
-  const int64_t inflight_poll_ns = absl::ToInt64Nanoseconds(kInflightPoll);
+  absl::Time last_progress = absl::Now();
   int contended = 0;          // rounds in a row that found ucx_mu_ held by a caller
   bool was_inflight = false;  // the last round had work in flight
   while (!stop_.load(std::memory_order_relaxed)) {
@@ -345,8 +315,7 @@ void WorkerImpl::Loop() {
     for (int i = 0; i < 100 && ucx_waiters_.load(std::memory_order_relaxed) > 0; ++i) {
       std::this_thread::yield();
     }
-    const int64_t now = MonoNanos();
-    if (CallerDrivesProgress(now)) {
+    if (CallerDrivesProgress()) {
       // A caller polls (Worker::Progress), and its calls also check deadlines and reap
       // endpoints: stay out of its way. Polling UCX here as well would only contend for
       // ucx_mu_, the socket and the CPU (measured on 2 cores: this thread doing the tcp
@@ -363,7 +332,7 @@ void WorkerImpl::Loop() {
       }
       if (queued) RunCallbacks();
       usleep(500);
-      last_progress = MonoNanos();
+      last_progress = absl::Now();
       continue;
     }
     // Never queue behind a caller's thread for ucx_mu_ (Submit copies shared-memory
@@ -391,16 +360,15 @@ void WorkerImpl::Loop() {
     RunQueue();
     while (ucp_worker_progress(worker_) != 0) progressed = true;
     ReapClosedEndpoints();
-    if (!batches_.empty()) CheckDeadlines(now);
-    if (!owner_ops_.empty()) ReapStuckOwnerOps(now);
-    inflight = !batches_.empty() || !owner_ops_.empty();
+    if (!batches_.empty()) CheckDeadlines();
+    inflight = !batches_.empty() || owner_inflight_ > 0;
     busy = inflight || !closing_reqs_.empty();
     was_inflight = busy;
     ready.swap(ready_);
     ucx_mu_.Unlock();
     for (auto& [done, status] : ready) done(std::move(status));
     if (progressed) {
-      last_progress = now;
+      last_progress = absl::Now();
       continue;
     }
     // While transfers are in flight (batches of ours, or peers' requests we serve), keep
@@ -411,16 +379,19 @@ void WorkerImpl::Loop() {
     // ucx_perftest, whose two sides poll). Bounded: after kInflightPoll without any event
     // (a stuck reply to a dead peer, a peer starved of CPU) it sleeps in epoll as before.
     // spin = 0 keeps the sleeping behaviour.
-    if (inflight && spin_ns > 0 && now - last_progress < inflight_poll_ns) continue;
+    if (inflight && options_.spin > absl::ZeroDuration() &&
+        absl::Now() - last_progress < kInflightPoll) {
+      continue;
+    }
     // Keep polling for a while after the last event, in flight or not: peers' software
     // RMA (UCX emulates put/get over shared memory with AM that this side must answer)
     // and the next request of a burst arrive within microseconds; idle, sleep.
-    if (now - last_progress < spin_ns) continue;
+    if (absl::Now() - last_progress < options_.spin) continue;
     {
       absl::MutexLock l(&mu_);
       if (!queue_.empty()) continue;
     }
-    if (CallerDrivesProgress(MonoNanos())) continue;  // backs off at the top of the loop
+    if (CallerDrivesProgress()) continue;  // backs off at the top of the loop
     if (!ucx_mu_.TryLock()) continue;  // a caller is in: back off at the top
     const ucs_status_t st = ucp_worker_arm(worker_);
     ucx_mu_.Unlock();
@@ -450,7 +421,7 @@ void WorkerImpl::Loop() {
     }
     ReapClosedEndpoints();
     const absl::Time end = absl::Now() + absl::Seconds(2);
-    while ((!closing_reqs_.empty() || !owner_ops_.empty()) && absl::Now() < end) {
+    while ((!closing_reqs_.empty() || owner_inflight_ > 0) && absl::Now() < end) {
       ucp_worker_progress(worker_);
       ReapClosedEndpoints();
     }
@@ -597,37 +568,6 @@ absl::StatusOr<std::shared_ptr<EndpointImpl>> WorkerImpl::Connect(absl::string_v
       ep->peer_failure_detection_ = true;
       ep->describe_ = PrintToString([&](FILE* f) { ucp_ep_print_info(ep->ep_, f); });
     }
-    if (ep->peer_failure_detection_ && !LanesHaveRmaBw(ep->describe_)) {
-      // UCX 1.13 gives a PEER-mode endpoint rendezvous lanes only where the memory
-      // domain can invalidate registrations or the transport connects endpoint to
-      // endpoint; tcp does neither. Its large active messages then travel as 64 KiB
-      // AM fragments that the receiver copies out of UCX's buffers (measured: ~1.4x the
-      // CPU per byte of ucx_perftest's ucp_am_bw, 0.55-0.8x its bandwidth). A mode-NONE
-      // endpoint gets tcp's put_zcopy rendezvous (received in place, as ucp_am_bw does),
-      // so large contiguous messages go over that one (StartAm), and the PEER-mode
-      // endpoint stays open beside it for the rest and to watch the peer (keepalive,
-      // connection reset): its error handler fails this endpoint's batches and closes
-      // both. UCX never reports a mode-NONE endpoint's failure; the owner side copes
-      // with what stays pending on it (WorkerImpl::ReapStuckOwnerOps).
-      ucp_ep_params_t dp = p;
-      dp.err_mode = UCP_ERR_HANDLING_MODE_NONE;
-      ucp_ep_h data = nullptr;
-      if (ucp_ep_create(worker_, &dp, &data) == UCS_OK) {
-        std::string info = PrintToString([&](FILE* f) { ucp_ep_print_info(data, f); });
-        if (LanesHaveRmaBw(info)) {
-          ep->peer_ep_ = ep->ep_;
-          ep->ep_ = data;
-          ep->describe_ = absl::StrCat(info, "# peer watched by a PEER-mode endpoint:\n",
-                                       ep->describe_);
-        } else {
-          ucp_request_param_t cp{};
-          cp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-          cp.flags = UCP_EP_CLOSE_FLAG_FORCE;
-          void* req = ucp_ep_close_nbx(data, &cp);
-          if (req != nullptr && !UCS_PTR_IS_ERR(req)) closing_reqs_.push_back(req);
-        }
-      }
-    }
     ep->shm_lanes_ = LanesUseSharedMemory(ep->describe_);
     ep->protocol_ = options_.protocol;
     if (ep->protocol_ == Protocol::kAuto) {
@@ -693,12 +633,9 @@ void WorkerImpl::ReapClosedEndpoints() {
       p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
       // Force: the peer may be gone, and a graceful close would wait for it.
       p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-      for (ucp_ep_h* h : {&ep->ep_, &ep->peer_ep_}) {
-        if (*h == nullptr) continue;
-        void* req = ucp_ep_close_nbx(*h, &p);
-        *h = nullptr;
-        if (req != nullptr && !UCS_PTR_IS_ERR(req)) closing_reqs_.push_back(req);
-      }
+      void* req = ucp_ep_close_nbx(ep->ep_, &p);
+      ep->ep_ = nullptr;
+      if (req != nullptr && !UCS_PTR_IS_ERR(req)) closing_reqs_.push_back(req);
       std::erase(endpoints_, ep);
     }
   }
@@ -877,22 +814,16 @@ void WorkerImpl::StartAm(Batch& b) {
     p.user_data = &b;
     p.flags = UCP_AM_SEND_FLAG_REPLY;
     ++b.outstanding;  // the ack (put) or the response (get)
-    // Where the endpoint has two, only a large contiguous message takes the zero-copy
-    // one (UCX 1.13 rendezvous is zero-copy for contiguous data only). The owner answers
-    // on the endpoint a request came by, so a get's response takes the path of a put of
-    // its size.
-    const bool zero_copy = iov.size() == 1 && iov[0].length >= kZeroCopyMinBytes;
-    ucp_ep_h uep = b.ep->peer_ep_ != nullptr && !zero_copy ? b.ep->peer_ep_ : b.ep->ep_;
     ucs_status_ptr_t r;
     if (b.dir == Direction::kPut && iov.size() == 1) {
-      r = ucp_am_send_nbx(uep, kAmPut, hdr.data(), hdr.size(), iov[0].buffer, iov[0].length,
-                          &p);
+      r = ucp_am_send_nbx(b.ep->ep_, kAmPut, hdr.data(), hdr.size(), iov[0].buffer,
+                          iov[0].length, &p);
     } else if (b.dir == Direction::kPut) {
       p.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
       p.datatype = ucp_dt_make_iov();
-      r = ucp_am_send_nbx(uep, kAmPut, hdr.data(), hdr.size(), iov.data(), iov.size(), &p);
+      r = ucp_am_send_nbx(b.ep->ep_, kAmPut, hdr.data(), hdr.size(), iov.data(), iov.size(), &p);
     } else {
-      r = ucp_am_send_nbx(uep, kAmGetReq, hdr.data(), hdr.size(), nullptr, 0, &p);
+      r = ucp_am_send_nbx(b.ep->ep_, kAmGetReq, hdr.data(), hdr.size(), nullptr, 0, &p);
     }
     Track(b, r, "ucp_am_send_nbx");
     if (b.finished) return;
@@ -919,7 +850,6 @@ void WorkerImpl::Finish(Batch& b, absl::Status s) {
     b.ep->SetHealth(s);
   }
   b.finished = true;
-  b.finished_at = absl::Now();
   b.status = s;
   {
     absl::MutexLock l(&mu_);
@@ -960,10 +890,10 @@ void WorkerImpl::MaybeFree(uint64_t id) {
   }
 }
 
-void WorkerImpl::CheckDeadlines(int64_t mono_now) {
-  if (mono_now - last_deadline_check_ns_ < 5'000'000) return;  // every 5 ms
-  last_deadline_check_ns_ = mono_now;
+void WorkerImpl::CheckDeadlines() {
   const absl::Time now = absl::Now();
+  if (now - last_deadline_check_ < absl::Milliseconds(5)) return;
+  last_deadline_check_ = now;
   std::vector<Batch*> late;
   for (auto& [id, b] : batches_) {
     if (!b->finished && now > b->deadline) late.push_back(b.get());
@@ -978,23 +908,6 @@ void WorkerImpl::CheckDeadlines(int64_t mono_now) {
     FailEndpointBatches(ep.get(), s);
     // UCX cannot cancel a started RMA: closing the endpoint completes what is pending.
     to_close_.push_back(ep);
-  }
-  // Failed batches whose endpoint is closed yet still wait for UCX requests: closing a
-  // mode-NONE endpoint (tcp's zero-copy one, see Connect) does not complete them
-  // (measured, UCX 1.13.1). Set them aside after a grace period so that they no longer
-  // count as in flight; kept (with the arenas they hold) until the worker is destroyed,
-  // in case a late completion still finds them.
-  std::vector<uint64_t> stuck;
-  for (auto& [id, b] : batches_) {
-    if (b->finished && b->outstanding > 0 && b->ep->ep_ == nullptr &&
-        now - b->finished_at > kAbandonAfter) {
-      stuck.push_back(id);
-    }
-  }
-  for (uint64_t id : stuck) {
-    auto it = batches_.find(id);
-    abandoned_batches_.push_back(std::move(it->second));
-    batches_.erase(it);
   }
 }
 

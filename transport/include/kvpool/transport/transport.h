@@ -222,17 +222,10 @@ struct WorkerOptions {
 struct WorkerStats {
   uint64_t batches_ok = 0;
   uint64_t batches_failed = 0;
-  // Batches whose UCX requests are not all complete yet (a failed batch stays here until
-  // UCX has released its buffers), now.
-  uint64_t batches_in_flight = 0;
   uint64_t bytes_put = 0;         // initiated by this worker
   uint64_t bytes_get = 0;
   uint64_t am_requests_served = 0;  // as the owner (AM protocol)
   uint64_t am_requests_refused = 0;
-  // As the owner: requests whose initiator stopped answering for longer than
-  // WorkerOptions::batch_timeout (its connection was then closed).
-  uint64_t am_requests_abandoned = 0;
-  uint64_t am_requests_in_flight = 0;  // as the owner, now
 };
 
 class Endpoint;
