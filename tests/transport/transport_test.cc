@@ -290,6 +290,34 @@ TEST_P(TransportTest, OwnerRefusesSegmentsOutsideItsArena) {
   EXPECT_GE(owner_->stats().am_requests_refused, 2u);
 }
 
+// A batch of several AM messages whose first message is refused fails at once; the
+// acks of its other messages still arrive afterwards and count down, so the batch is
+// released (before, they were dropped and the batch stayed in flight for good).
+TEST_P(TransportTest, RefusedMessageReleasesItsBatchOnceTheOthersAnswer) {
+  if (ep_->protocol() != Protocol::kActiveMessage) GTEST_SKIP() << "owner-side check is AM only";
+  RemoteArena forged = remote_;
+  forged.size *= 4;
+  ASSERT_TRUE(ep_->ImportArena(forged).ok());
+  // One 4 KiB segment outside the owner's arena, then 80 valid ones that touch no
+  // neighbour (every other page): more segments than one message carries.
+  constexpr uint64_t kSegs = 81;
+  std::vector<uint64_t> rpages = {kOwnerPages * 2};
+  for (uint64_t i = 0; i + 1 < kSegs; ++i) rpages.push_back(2 * i);
+  std::vector<uint64_t> lpages;
+  for (uint64_t i = 0; i * kClientPage < kSegs * kOwnerPage; ++i) lpages.push_back(i);
+  const uint64_t bytes = kSegs * kOwnerPage;
+  absl::Status s = Await(ep_->Put({{Local(lpages, bytes), Remote(rpages, bytes)}}));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_TRUE(ep_->health().ok());
+  const absl::Time end = absl::Now() + absl::Seconds(20);
+  while (client_->stats().batches_in_flight != 0 && absl::Now() < end) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(client_->stats().batches_in_flight, 0u);
+  // The endpoint still serves.
+  FillPattern(client_arena_->Page(1), 21, 0);
+  ASSERT_TRUE(Await(ep_->Put({{Local({1}), Remote({300, 301})}})).ok());
+  EXPECT_EQ(client_->stats().batches_in_flight, 0u);
+}
+
 TEST_P(TransportTest, ConcurrentBatchesFromManyThreads) {
   constexpr int kThreads = 4, kRounds = 20;
   std::vector<std::thread> threads;
@@ -331,6 +359,11 @@ TEST_P(TransportTest, PeerGoneFailsBatchesWithinTheTimeout) {
   EXPECT_FALSE(ep_->health().ok());
   EXPECT_EQ(ep_->PutAsync({{Local({0}), Remote({0, 1})}}, [](absl::Status) {}).code(),
             absl::StatusCode::kUnavailable);
+  // The failed batches are released once UCX lets go of their requests: replies still
+  // awaited from the dead peer no longer hold them.
+  const absl::Time end = absl::Now() + absl::Seconds(20);
+  while (client_->stats().batches_in_flight != 0 && absl::Now() < end) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(client_->stats().batches_in_flight, 0u);
 }
 
 // A ByteObserver sees each op's local bytes exactly once, in order, whatever the path

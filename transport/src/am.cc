@@ -225,9 +225,18 @@ ucs_status_t WorkerImpl::OnAm(unsigned id, const void* header, size_t header_len
 ucs_status_t WorkerImpl::OnInitiatorReply(unsigned id, const AmHeader& h, void* data,
                                           size_t len, bool rndv) {
   auto it = batches_.find(h.batch_id);
-  // A reply for a batch that already failed (timeout, peer error): drop it.
-  if (it == batches_.end() || it->second->finished) return UCS_OK;
+  // No longer awaited (the batch is gone, or its endpoint failed): drop it.
+  if (it == batches_.end() || it->second->replies_awaited <= 0) return UCS_OK;
   Batch& b = *it->second;
+  --b.replies_awaited;
+  if (b.finished) {
+    // A reply to a batch that already failed (another part refused, a timeout): it only
+    // counts down, so the batch is released once nothing else is outstanding; a payload
+    // is dropped (the caller may be reusing those pages).
+    --b.outstanding;
+    MaybeFree(b.id);
+    return UCS_OK;
+  }
   if (h.status != 0) {
     --b.outstanding;
     Finish(b, absl::Status(static_cast<absl::StatusCode>(h.status),

@@ -97,6 +97,10 @@ struct Batch {
   // Operations (UCX requests + expected AM replies) not yet completed. The batch is
   // freed when it is finished and nothing is outstanding.
   int outstanding = 0;
+  // AM: the replies (acks, get responses) among `outstanding` not yet received. Zeroed
+  // (and taken out of `outstanding`) when the endpoint fails or closes: they cannot
+  // arrive any more, and a late one is then ignored.
+  int replies_awaited = 0;
   bool finished = false;
   absl::Status status;  // first error
   // AM: per-message local iovs and headers (alive until the message completes).

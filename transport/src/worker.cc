@@ -607,11 +607,18 @@ void WorkerImpl::OnEpError(EndpointImpl* ep, ucs_status_t status) {
 }
 
 void WorkerImpl::FailEndpointBatches(EndpointImpl* ep, const absl::Status& s) {
-  std::vector<Batch*> hit;
+  std::vector<uint64_t> hit;
   for (auto& [id, b] : batches_) {
-    if (b->ep.get() == ep && !b->finished) hit.push_back(b.get());
+    if (b->ep.get() != ep) continue;
+    hit.push_back(id);
+    if (!b->finished) Finish(*b, s);
+    // The endpoint failed or is closing: replies still awaited on it (including those of
+    // a batch that failed earlier, e.g. one part refused) will not come. Its UCX requests
+    // still count until UCX completes or cancels them.
+    b->outstanding -= b->replies_awaited;
+    b->replies_awaited = 0;
   }
-  for (Batch* b : hit) Finish(*b, s);
+  for (uint64_t id : hit) MaybeFree(id);
 }
 
 void WorkerImpl::ReapClosedEndpoints() {
@@ -681,6 +688,10 @@ void WorkerImpl::StartBatch(std::unique_ptr<Batch> owned) {
   b.id = next_batch_++;
   b.worker = this;
   batches_[b.id] = std::move(owned);
+  {
+    absl::MutexLock l(&mu_);
+    ++stats_.batches_in_flight;
+  }
   absl::Status h = b.ep->health();
   if (!h.ok() || b.ep->ep_ == nullptr) {
     Finish(b, h.ok() ? absl::UnavailableError("endpoint closed") : h);
@@ -814,6 +825,7 @@ void WorkerImpl::StartAm(Batch& b) {
     p.user_data = &b;
     p.flags = UCP_AM_SEND_FLAG_REPLY;
     ++b.outstanding;  // the ack (put) or the response (get)
+    ++b.replies_awaited;
     ucs_status_ptr_t r;
     if (b.dir == Direction::kPut && iov.size() == 1) {
       r = ucp_am_send_nbx(b.ep->ep_, kAmPut, hdr.data(), hdr.size(), iov[0].buffer,
@@ -887,6 +899,8 @@ void WorkerImpl::MaybeFree(uint64_t id) {
   auto it = batches_.find(id);
   if (it != batches_.end() && it->second->finished && it->second->outstanding <= 0) {
     batches_.erase(it);
+    absl::MutexLock l(&mu_);
+    --stats_.batches_in_flight;
   }
 }
 
