@@ -51,8 +51,13 @@ absl::Status CheckTable(const BlockTable& t, int page_size, int num_pages, bool 
                      absl::StrCat("=", len, " outside [0, max_blocks*page_size=", cap,
                                   "]; grow max_blocks or shorten the sequence"));
     }
-    const int used = (len + page_size - 1) / page_size;
-    for (int i = 0; i < used; ++i) {
+    if (len > kMaxSeqLen) {
+      return Invalid(absl::StrCat("table.seq_lens[", b, "]"),
+                     absl::StrCat("=", len, " exceeds kMaxSeqLen=", kMaxSeqLen,
+                                  " tokens per sequence; split the sequence"));
+    }
+    const int64_t used = (int64_t{len} + page_size - 1) / page_size;  // len near INT_MAX
+    for (int64_t i = 0; i < used; ++i) {
       const int page = t.block_table[int64_t{b} * t.max_blocks + i];
       if (page < 0 || page >= num_pages) {
         return Invalid(absl::StrCat("table.block_table[", b, "][", i, "]"),
@@ -72,7 +77,7 @@ absl::Status CheckIndptr(const int32_t* indptr, const BlockTable& t, bool host,
   if (!host) return absl::OkStatus();
   if (indptr[0] != 0) return Invalid(arg, absl::StrCat("[0]=", indptr[0], " must be 0"));
   for (int b = 0; b < t.batch; ++b) {
-    const int q_len = indptr[b + 1] - indptr[b];
+    const int64_t q_len = int64_t{indptr[b + 1]} - indptr[b];  // no int overflow on bad input
     if (q_len < 0) {
       return Invalid(arg, absl::StrCat("decreases at ", b, "; it must be a prefix sum"));
     }
@@ -317,9 +322,14 @@ absl::Status KernelBackend::KdaChunkedPrefill(const KdaPrefillParams& p) {
   if (p.boundary_states != nullptr) RETURN_IF_ERROR(CheckPtr(p.boundary_indptr, "boundary_indptr"));
   if (host) {
     if (p.cu_seqlens[0] != 0) return Invalid("cu_seqlens", absl::StrCat("[0]=", p.cu_seqlens[0], " must be 0"));
-    int expected = 0;
+    if (p.cu_seqlens[p.batch] > kMaxSeqLen) {
+      return Invalid(absl::StrCat("cu_seqlens[", p.batch, "]"),
+                     absl::StrCat("=", p.cu_seqlens[p.batch], " exceeds kMaxSeqLen=", kMaxSeqLen,
+                                  " tokens per call; split the batch"));
+    }
+    int64_t expected = 0;
     for (int b = 0; b < p.batch; ++b) {
-      const int len = p.cu_seqlens[b + 1] - p.cu_seqlens[b];
+      const int64_t len = int64_t{p.cu_seqlens[b + 1]} - p.cu_seqlens[b];  // no int overflow
       if (len < 0) return Invalid("cu_seqlens", absl::StrCat("decreases at ", b, "; it must be a prefix sum"));
       const int start = p.start_pos ? p.start_pos[b] : 0;
       if (start < 0) return Invalid(absl::StrCat("start_pos[", b, "]"), absl::StrCat("=", start, " must be >= 0"));

@@ -36,8 +36,9 @@ std::vector<Split> MakeSplits(const BlockTable& t, int split_tokens, std::vector
   first->assign(t.batch + 1, 0);
   for (int b = 0; b < t.batch; ++b) {
     (*first)[b] = static_cast<int>(splits.size());
-    for (int t0 = 0; t0 < t.seq_lens[b]; t0 += split_tokens) {
-      splits.push_back({b, t0, std::min(t.seq_lens[b], t0 + split_tokens)});
+    const int64_t len = t.seq_lens[b];
+    for (int64_t t0 = 0; t0 < len; t0 += split_tokens) {  // int64: t0 + split_tokens may pass INT_MAX
+      splits.push_back({b, static_cast<int>(t0), static_cast<int>(std::min(len, t0 + split_tokens))});
     }
   }
   (*first)[t.batch] = static_cast<int>(splits.size());

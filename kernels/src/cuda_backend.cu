@@ -92,6 +92,9 @@ __global__ void __launch_bounds__(32 * kWarps) PagedAttnKernel(AttnArgs a) {
     const int q_len = a.q_indptr[b + 1] - a.q_indptr[b];
     n = a.seq_lens[b] - q_len + (qi - a.q_indptr[b]) + 1;
   }
+  // Launchers do not read device-resident seq_lens; a length past the row's pages would
+  // read the next row of the table (or past it), so it is cut to the row.
+  n = static_cast<int>(max(int64_t{0}, min(static_cast<int64_t>(n), static_cast<int64_t>(a.max_blocks) * a.page_size)));
   int t_begin = 0, t_end = n;
   if (a.split_tokens > 0) {
     t_begin = min(n, split * a.split_tokens);
@@ -403,9 +406,17 @@ class CudaBackend final : public KernelBackend {
     const int H = p.num_heads, dk = p.qk_nope_dim + 64, dv = p.v_head_dim;
     const int64_t slots = static_cast<int64_t>(p.kv.num_pages) * 64;
     float *K = nullptr, *V = nullptr, *q = nullptr;
-    RETURN_IF_ERROR(CudaStatus(cudaMallocAsync(reinterpret_cast<void**>(&K), slots * H * dk * 4, stream_), "alloc K"));
-    RETURN_IF_ERROR(CudaStatus(cudaMallocAsync(reinterpret_cast<void**>(&V), slots * H * dv * 4, stream_), "alloc V"));
-    RETURN_IF_ERROR(CudaStatus(cudaMallocAsync(reinterpret_cast<void**>(&q), static_cast<int64_t>(total) * H * dk * 4, stream_), "alloc q"));
+    auto alloc = [&]() -> absl::Status {
+      RETURN_IF_ERROR(CudaStatus(cudaMallocAsync(reinterpret_cast<void**>(&K), slots * H * dk * 4, stream_), "alloc K"));
+      RETURN_IF_ERROR(CudaStatus(cudaMallocAsync(reinterpret_cast<void**>(&V), slots * H * dv * 4, stream_), "alloc V"));
+      return CudaStatus(cudaMallocAsync(reinterpret_cast<void**>(&q), static_cast<int64_t>(total) * H * dk * 4, stream_), "alloc q");
+    };
+    if (absl::Status st = alloc(); !st.ok()) {  // free what was allocated
+      for (float* ptr : {K, V, q}) {
+        if (ptr != nullptr) cudaFreeAsync(ptr, stream_);
+      }
+      return st;
+    }
     const dim3 grid(p.table.max_blocks * 64, p.table.batch);
     switch (p.kv.dtype) {
       case DType::kBf16:
@@ -492,7 +503,11 @@ class CudaBackend final : public KernelBackend {
     a.split_tokens = split_tokens;
     const int64_t rows = static_cast<int64_t>(a.batch) * a.num_q_heads * a.max_splits;
     RETURN_IF_ERROR(CudaStatus(cudaMallocAsync(reinterpret_cast<void**>(&a.part_acc), rows * a.dv * 4, stream_), "alloc"));
-    RETURN_IF_ERROR(CudaStatus(cudaMallocAsync(reinterpret_cast<void**>(&a.part_ml), rows * 2 * 4, stream_), "alloc"));
+    if (absl::Status st = CudaStatus(cudaMallocAsync(reinterpret_cast<void**>(&a.part_ml), rows * 2 * 4, stream_), "alloc");
+        !st.ok()) {
+      cudaFreeAsync(a.part_acc, stream_);
+      return st;
+    }
     LaunchAttn(dtype, a, a.batch, stream_);
     MergeSplitsKernel<<<dim3(a.batch, a.num_q_heads), 128, 0, stream_>>>(a.part_acc, a.part_ml, a.max_splits,
                                                                         a.num_q_heads, a.dv, out);

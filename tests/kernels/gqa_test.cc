@@ -337,6 +337,17 @@ TEST_P(GqaTest, LaunchersNameTheWrongArgument) {
   b = p;
   b.table.seq_lens = long_len.data();
   expect(b, "table.seq_lens[0]");
+  // A length near INT_MAX with a table wide enough for it: ceil(len / page) overflowed
+  // int, which skipped every page check, and the kernel read the bad pages (SIGSEGV).
+  {
+    const int wide = (1 << 25) + 1;  // max_blocks * 64 > INT_MAX
+    std::vector<int32_t> bad_wide(wide, 999999), huge_len = {INT32_MAX - 20};
+    GqaDecodeParams w = p;
+    w.kv.page_size = 64;
+    w.kv.num_pages = 1;
+    w.table = {bad_wide.data(), huge_len.data(), 1, wide};
+    expect(w, "table.seq_lens[0]=2147483627 exceeds kMaxSeqLen");
+  }
   GqaPrefillParams pf;
   pf.q = q.data();
   pf.out = out.data();
@@ -348,6 +359,13 @@ TEST_P(GqaTest, LaunchersNameTheWrongArgument) {
   const absl::Status st = be_->GqaPrefill(pf);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(std::string(st.message()).find("q_indptr"), std::string::npos) << st;
+  // A q_indptr that goes backwards by more than INT_MAX (the int difference overflowed).
+  std::vector<int32_t> lens2 = {20, 20}, table2 = {0, 1, 0, 1}, wrap = {0, 1, INT32_MIN};
+  pf.table = {table2.data(), lens2.data(), 2, 2};
+  pf.q_indptr = wrap.data();
+  const absl::Status st2 = be_->GqaPrefill(pf);
+  EXPECT_EQ(st2.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(st2.message()).find("q_indptr: decreases at 1"), std::string::npos) << st2;
 }
 
 }  // namespace

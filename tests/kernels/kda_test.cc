@@ -281,6 +281,20 @@ TEST_P(KdaTest, LaunchersNameTheWrongArgument) {
   pf.boundary_indptr = bind.data();
   st = be_->KdaChunkedPrefill(pf);
   EXPECT_NE(std::string(st.message()).find("boundary_indptr[1]"), std::string::npos) << st;
+  // cu_seqlens that goes backwards by more than INT_MAX: the int difference overflowed to
+  // a positive length, the call was accepted and the kernels indexed token INT_MIN.
+  std::vector<int32_t> wrap = {0, 1, INT32_MIN, INT32_MIN + 1}, slots3 = {0, 1, 2};
+  std::vector<float> pool3(3 * 8 * 8);
+  pf.pool = {pool3.data(), 3, 1, 8, 8};
+  pf.cu_seqlens = wrap.data();
+  pf.slots = slots3.data();
+  pf.start_pos = nullptr;
+  pf.boundary_states = nullptr;
+  pf.boundary_indptr = nullptr;
+  pf.batch = 3;
+  st = be_->KdaChunkedPrefill(pf);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(std::string(st.message()).find("cu_seqlens: decreases at 1"), std::string::npos) << st;
 }
 
 }  // namespace

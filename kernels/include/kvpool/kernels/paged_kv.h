@@ -25,6 +25,10 @@
 namespace kvpool::kernels {
 
 // Per-sequence block tables (the layout vLLM and FlashMLA use).
+// Most tokens one sequence (or a KDA prefill's cu_seqlens) may hold: token indices are
+// int32 and loops step past the end by a tile, so lengths stay well below INT_MAX.
+inline constexpr int kMaxSeqLen = 1 << 30;
+
 struct BlockTable {
   const int32_t* block_table = nullptr;  // [batch][max_blocks] page ids in [0, num_pages)
   const int32_t* seq_lens = nullptr;     // [batch] tokens in the cache, incl. new ones
