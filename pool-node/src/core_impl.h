@@ -11,6 +11,13 @@
 //  4. A LINEAR_STATE object is `announced` iff the ATTN_KV chain ending at its hash is
 //     present (every link up to a chain start); only announced ones are looked up or
 //     reported to the EventSink.
+//  5. held_by_kind_[k] is the sum of held_pages over objects of kind k, and an object's
+//     held_pages is its DRAM page count while it has a DRAM copy that eviction must skip
+//     (!Evictable), else 0. SyncHeld(o) restores this after any change to o's copies,
+//     leases, pins, demoting or promotion, so a Reserve can tell in O(1) that eviction
+//     cannot make room and fail without evicting anything.
+//  6. The parent links of one kind form no cycle (Insert drops a link that would close
+//     one), so every chain ends and every object can become a leaf.
 #pragma once
 
 #include <memory>
@@ -43,6 +50,7 @@ struct Object {
   bool demoting = false;
   std::shared_ptr<absl::Notification> promotion;  // set while being promoted
   bool announced = false;  // LINEAR_STATE only (invariant 4)
+  uint64_t held_pages = 0;  // DRAM pages counted in Impl::held_by_kind_ (invariant 5)
 };
 
 struct ReservedEntry {
@@ -86,6 +94,7 @@ class PoolCore::Impl {
   uint64_t tick_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t used_by_kind_[kNumTiers][kNumKinds] ABSL_GUARDED_BY(mu_) = {};  // pages
   uint64_t reserved_by_kind_[kNumKinds] ABSL_GUARDED_BY(mu_) = {};        // pages
+  uint64_t held_by_kind_[kNumKinds] ABSL_GUARDED_BY(mu_) = {};            // pages (inv. 5)
   uint64_t objects_in_[kNumTiers] ABSL_GUARDED_BY(mu_) = {};
   uint64_t evictions_[kNumTiers] ABSL_GUARDED_BY(mu_) = {};
   uint64_t checksum_failures_ ABSL_GUARDED_BY(mu_) = 0;
@@ -122,6 +131,15 @@ class PoolCore::Impl {
   bool Evict(int t, uint64_t free_pages) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool EvictKind(StateKind kind, uint64_t kind_limit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool Evictable(const Object& o, int t) const;
+  // Restores invariant 5 for `o`; call after changing its DRAM copy, leases, pins,
+  // demoting or promotion.
+  void SyncHeld(Object& o) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Pin(Object& o) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Unpin(Object& o) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // DRAM pages that eviction could free at most (of one kind, or of all kinds with
+  // kind < 0): pages of DRAM copies not held (invariant 5). An upper bound: an unheld
+  // parent of a held child is not evictable either.
+  uint64_t EvictableDramPages(int kind) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ExpireLocked(int64_t now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EndLease(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeReservation(ReservationState& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -56,6 +56,27 @@ void PoolCore::Impl::Touch(Object& o) {
 Object* PoolCore::Impl::Insert(std::unique_ptr<Object> o) {
   Object* p = o.get();
   p->tick = ++tick_;
+  if (p->parent) {
+    // Invariant 6: a parent link that leads back to this hash (A->B->A, written by a
+    // client or found in an old journal) would make every object of the cycle a child
+    // of another, so none would ever be a leaf, evicted or demoted. Existing chains are
+    // acyclic, so the walk ends at a chain start, a missing parent or this hash; the
+    // bound only guards against cycles recovered from a journal written before this
+    // check existed.
+    BlockHash at = *p->parent;
+    for (size_t steps = 0; steps <= objects_.size(); ++steps) {
+      if (at == p->key.hash) {
+        spdlog::warn("block {} ({}): parent {} leads back to it; storing it as a chain start",
+                     p->key.hash.ToHex(), std::string(StateKindName(p->key.kind)),
+                     p->parent->ToHex());
+        p->parent.reset();
+        break;
+      }
+      const Object* a = Find(ObjectKey{at, p->key.kind});
+      if (a == nullptr || !a->parent) break;
+      at = *a->parent;
+    }
+  }
   if (p->parent) children_[ObjectKey{*p->parent, p->key.kind}].insert(p->key.hash);
   objects_.emplace(p->key, std::move(o));
   if (p->key.kind == StateKind::kLinearState) p->announced = KvPrefixPresent(p->key.hash);
@@ -68,6 +89,7 @@ void PoolCore::Impl::AddCopy(Object& o, int t, std::vector<uint32_t> pages) {
   used_by_kind_[t][KindIndex(o.key.kind)] += pages.size();
   o.pages[t] = std::move(pages);
   ++objects_in_[t];
+  SyncHeld(o);
   RefreshLeaf(o, t);
   RefreshParent(o);
   if (Visible(o) && opt_.events != nullptr) opt_.events->OnStored(o.key, o.parent, static_cast<Tier>(t));
@@ -84,6 +106,7 @@ void PoolCore::Impl::DropCopy(Object& o, int t) {
   used_by_kind_[t][KindIndex(o.key.kind)] -= o.pages[t].size();
   o.pages[t].clear();
   --objects_in_[t];
+  SyncHeld(o);
   if (t == static_cast<int>(Tier::kNvme)) {
     absl::Status s = nvme_->JournalRemove({&o.key, 1});
     if (!s.ok()) spdlog::error("NVMe journal: {}", std::string(s.message()));
@@ -168,7 +191,40 @@ bool PoolCore::Impl::Evictable(const Object& o, int t) const {
   return !o.nvme_busy;
 }
 
+void PoolCore::Impl::SyncHeld(Object& o) {
+  constexpr int kD = static_cast<int>(Tier::kDram);
+  const uint64_t want = o.copy[kD] && !Evictable(o, kD) ? o.pages[kD].size() : 0;
+  uint64_t& held = held_by_kind_[KindIndex(o.key.kind)];
+  held = held - o.held_pages + want;
+  o.held_pages = want;
+}
+
+void PoolCore::Impl::Pin(Object& o) {
+  ++o.pins;
+  SyncHeld(o);
+}
+
+void PoolCore::Impl::Unpin(Object& o) {
+  --o.pins;
+  SyncHeld(o);
+}
+
+uint64_t PoolCore::Impl::EvictableDramPages(int kind) {
+  constexpr int kD = static_cast<int>(Tier::kDram);
+  uint64_t n = 0;
+  for (int k = 0; k < kNumKinds; ++k) {
+    if (kind < 0 || kind == k) n += used_by_kind_[kD][k] - held_by_kind_[k];
+  }
+  return n;
+}
+
 bool PoolCore::Impl::Evict(int t, uint64_t free_pages) {
+  // Evicting cannot help when even every unheld DRAM copy would not make room: fail
+  // before dropping anything rather than wipe the cache for nothing.
+  if (t == static_cast<int>(Tier::kDram) && alloc_[t]->free_pages() < free_pages &&
+      alloc_[t]->free_pages() + EvictableDramPages(-1) < free_pages) {
+    return false;
+  }
   while (alloc_[t]->free_pages() < free_pages) {
     Object* victim = nullptr;
     for (const auto& [tick, key] : leaves_[t]) {
@@ -187,6 +243,10 @@ bool PoolCore::Impl::Evict(int t, uint64_t free_pages) {
 
 bool PoolCore::Impl::EvictKind(StateKind kind, uint64_t kind_limit) {
   constexpr int t = static_cast<int>(Tier::kDram);
+  // Held copies stay whatever we evict (see Evict).
+  if (used_by_kind_[t][KindIndex(kind)] > kind_limit && held_by_kind_[KindIndex(kind)] > kind_limit) {
+    return false;
+  }
   while (used_by_kind_[t][KindIndex(kind)] > kind_limit) {
     Object* victim = nullptr;
     for (const auto& [tick, key] : leaves_[t]) {
@@ -207,7 +267,10 @@ void PoolCore::Impl::EndLease(uint64_t id) {
   auto it = leases_.find(id);
   if (it == leases_.end()) return;
   for (const ObjectKey& k : it->second.keys) {
-    if (Object* o = Find(k)) --o->leases;  // leased objects keep their DRAM copy (inv. 3)
+    if (Object* o = Find(k)) {  // leased objects keep their DRAM copy (inv. 3)
+      --o->leases;
+      SyncHeld(*o);
+    }
   }
   lease_expiry_.erase({it->second.expires_ms, id});
   leases_.erase(it);
@@ -301,7 +364,7 @@ size_t PoolCore::Impl::DemoteBatch(size_t max_objects, uint64_t stop_at_used_pag
       auto pages = alloc_[kN]->Allocate(static_cast<uint32_t>(n));
       if (!pages) break;
       o->demoting = true;
-      ++o->pins;
+      Pin(*o);
       moves.push_back(Move{key, std::move(*pages), o->pages[kD]});
     }
   }
@@ -320,7 +383,7 @@ size_t PoolCore::Impl::DemoteBatch(size_t max_objects, uint64_t stop_at_used_pag
   for (Move& m : moves) {
     Object* o = Find(m.key);  // pinned: still present with its DRAM copy
     o->demoting = false;
-    --o->pins;
+    Unpin(*o);
     if (!io.ok()) {
       alloc_[kN]->Free(m.nvme_pages);
       continue;

@@ -79,8 +79,13 @@ struct NodeServer::State {
     if (server) server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
     if (service) service->Drain();  // Lookups waiting for NVMe use the core: before it goes
     http.reset();
-    publisher.reset();  // stops its thread (which reads core) before core goes
-    core.reset();       // lives in arena's memory
+    // The core's background thread calls the publisher (OnStored/OnRemoved from
+    // demotion) and the publisher's thread reads the core (full dumps): stop the core's
+    // thread first, so nothing calls the publisher once it goes, then the publisher,
+    // whose thread may still read the (idle) core, then the core.
+    if (core) core->StopBackground();
+    publisher.reset();
+    core.reset();  // lives in arena's memory
     arena.reset();
     worker.reset();
   }

@@ -11,8 +11,10 @@
 #include <filesystem>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "kvpool/common/status.h"
+#include "spdlog/spdlog.h"
 
 namespace kvpool::pool_node {
 namespace {
@@ -192,7 +194,8 @@ absl::StatusOr<std::unique_ptr<NvmeStore>> NvmeStore::Open(const std::string& di
           NvmeRecord rec;
           rec.key.hash.lo = r.U64();
           rec.key.hash.hi = r.U64();
-          rec.key.kind = static_cast<StateKind>(r.U8());
+          const uint8_t kind = r.U8();
+          rec.key.kind = static_cast<StateKind>(kind);
           const bool has_parent = r.U8() != 0;
           BlockHash parent{r.U64(), 0};
           parent.hi = r.U64();
@@ -201,7 +204,8 @@ absl::StatusOr<std::unique_ptr<NvmeStore>> NvmeStore::Open(const std::string& di
           rec.checksum = r.U64();
           const uint32_t np = r.U32();
           for (uint32_t i = 0; i < np && r.ok; ++i) rec.pages.push_back(r.U32());
-          if (r.ok) live[rec.key] = std::move(rec);
+          if (r.ok && kind < kNumKinds) live[rec.key] = std::move(rec);
+          else if (r.ok) ++s->dropped_records_;
         } else if (type == kDel) {
           ObjectKey k;
           k.hash.lo = r.U64();
@@ -229,6 +233,39 @@ absl::StatusOr<std::unique_ptr<NvmeStore>> NvmeStore::Open(const std::string& di
     if (::fallocate(s->data_fd_, 0, 0, want) != 0 && ::ftruncate(s->data_fd_, want) != 0) {
       return Errno("size", s->data_path_);
     }
+  }
+
+  // Records that cannot be right are dropped before the compacted journal is written, so
+  // they do not outlive this start (their pages are free from now on): a page count that
+  // does not fit the length, a page past the file, or a page two records claim (both go:
+  // which one wrote last is not known; a checksum would catch it, but the other object's
+  // pages would be handed out again while it is still listed).
+  {
+    absl::flat_hash_map<uint32_t, ObjectKey> owner;
+    absl::flat_hash_set<ObjectKey> bad;
+    for (const auto& [key, rec] : live) {
+      const uint64_t need = (rec.length + page_bytes - 1) / page_bytes;
+      bool ok = rec.length > 0 && rec.pages.size() == need;
+      for (uint32_t pg : rec.pages) {
+        if (pg >= pages) {
+          ok = false;
+          continue;
+        }
+        auto [it, fresh] = owner.try_emplace(pg, key);
+        if (!fresh && !(it->second == key)) {
+          bad.insert(it->second);
+          ok = false;
+        }
+      }
+      if (!ok) bad.insert(key);
+    }
+    for (const ObjectKey& k : bad) live.erase(k);
+    s->dropped_records_ += bad.size();
+  }
+  if (s->dropped_records_ > 0) {
+    spdlog::warn("NVMe journal {}: dropped {} records that cannot be right (unknown kind, pages "
+                 "that do not fit, or pages claimed twice); their pages are free",
+                 journal_path, s->dropped_records_);
   }
 
   // Compacted journal: header + one ADD per live object.
@@ -282,7 +319,15 @@ absl::Status NvmeStore::Transfer(bool write, std::span<const uint32_t> nvme_page
 
 absl::Status NvmeStore::Append(const std::string& bytes) {
   absl::MutexLock l(&journal_mu_);
-  return WriteAll(journal_fd_, bytes, "NVMe journal");
+  const off_t end = ::lseek(journal_fd_, 0, SEEK_END);
+  absl::Status st = WriteAll(journal_fd_, bytes, "NVMe journal");
+  // A frame cut short mid-journal would end the replay there and lose every later
+  // record: cut the file back to where this append began.
+  if (!st.ok() && end >= 0 && ::ftruncate(journal_fd_, end) != 0) {
+    st = absl::InternalError(absl::StrCat(st.message(), "; and truncating the torn record failed: ",
+                                          std::strerror(errno)));
+  }
+  return st;
 }
 
 absl::Status NvmeStore::JournalAdd(std::span<const NvmeRecord> records) {

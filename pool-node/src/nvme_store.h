@@ -58,6 +58,9 @@ class NvmeStore {
   const std::string& data_path() const { return data_path_; }
   bool registered_buffers() const { return engine_->registered_buffers(); }
   unsigned queue_depth() const { return engine_->queue_depth(); }
+  // Journal records dropped at Open: an unknown state kind, pages that do not fit the
+  // length or the file, or pages claimed by two records.
+  uint64_t dropped_records() const { return dropped_records_; }
 
   // Moves whole pages between memory and the data file: nvme_pages[i] <-> memory[i]
   // (each page_bytes long, 4096-aligned). Neighbouring pages coalesce into one op.
@@ -73,6 +76,7 @@ class NvmeStore {
 
   uint64_t page_bytes_ = 0;
   uint32_t num_pages_ = 0;
+  uint64_t dropped_records_ = 0;
   std::string data_path_;
   int data_fd_ = -1;
   std::unique_ptr<UringEngine> engine_;

@@ -126,14 +126,18 @@ absl::StatusOr<std::unique_ptr<PoolCore>> PoolCore::Create(PoolOptions options) 
 
 PoolCore::~PoolCore() {
   if (impl_) {
-    {
-      absl::MutexLock l(&impl_->bg_mu_);
-      impl_->stop_ = true;
-    }
-    if (impl_->bg_.joinable()) impl_->bg_.join();
+    StopBackground();
     impl_.reset();
   }
   if (owns_arena_) munmap(arena_, arena_bytes());
+}
+
+void PoolCore::StopBackground() {
+  {
+    absl::MutexLock l(&impl_->bg_mu_);
+    impl_->stop_ = true;
+  }
+  if (impl_->bg_.joinable()) impl_->bg_.join();
 }
 
 uint32_t PoolCore::nvme_pages() const { return impl_->nvme_ ? impl_->nvme_->num_pages() : 0; }
@@ -173,6 +177,13 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
       return absl::InvalidArgumentError(absl::StrCat("entries[", i, "].length=", e.length,
                                                      " must be 1..2^32 bytes"));
     }
+    if (e.parent && *e.parent == e.hash) {
+      // A self-parent would make the object its own child: never a leaf, so never
+      // evicted or demoted.
+      return absl::InvalidArgumentError(absl::StrCat(
+          "entries[", i, "].parent_hash equals block_hash ", e.hash.ToHex(),
+          "; a chain start has no parent: leave parent_hash empty"));
+    }
     if (!seen.insert(e.hash).second) {
       return absl::InvalidArgumentError(absl::StrCat("entries[", i, "].block_hash ",
                                                      e.hash.ToHex(),
@@ -187,24 +198,58 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
   rs.expires_ms = now + options_.reserve_timeout_ms;
   uint64_t need = 0;
   uint64_t need_kind[kNumKinds] = {0, 0};
+  // Entries answered already_present are pinned until the pages of the others are
+  // allocated: evicting one of them to make room would tell the client a block is
+  // stored that this very call dropped.
+  std::vector<ObjectKey> pinned;
+  auto unpin = [&] {
+    for (const ObjectKey& k : pinned) {
+      if (Object* o = im.Find(k)) im.Unpin(*o);  // pinned: never evicted, but be safe
+    }
+  };
   for (const auto& e : entries) {
     ReservedEntry re;
     re.spec = e;
     if (Object* o = im.Find(ObjectKey{e.hash, e.kind})) {
       re.already_present = true;
       im.Touch(*o);
+      im.Pin(*o);
+      pinned.push_back(o->key);
     } else {
       need += im.PagesFor(e.length);
       need_kind[KindIndex(e.kind)] += im.PagesFor(e.length);
     }
     rs.entries.push_back(std::move(re));
   }
+  // Decide whether eviction can make room before evicting anything: a Reserve that
+  // cannot fit must not empty the cache on its way to RESOURCE_EXHAUSTED. The held
+  // pages (leased, pinned, in flight) stay whatever is evicted; reserved pages too.
   for (int k = 0; k < kNumKinds; ++k) {
     const uint64_t quota = options_.dram_quota_bytes[k] / page_bytes_;
     if (options_.dram_quota_bytes[k] == 0 || need_kind[k] == 0) continue;
     const uint64_t reserved = im.reserved_by_kind_[k];
-    if (need_kind[k] + reserved > quota ||
-        !im.EvictKind(static_cast<StateKind>(k), quota - need_kind[k] - reserved)) {
+    if (need_kind[k] + reserved + im.held_by_kind_[k] > quota) {
+      unpin();
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the DRAM quota for ", StateKindName(static_cast<StateKind>(k)), " (",
+          options_.dram_quota_bytes[k], " bytes) cannot fit ", need_kind[k] * page_bytes_,
+          " more bytes after evicting every unleased object of that kind; retry later or raise the quota"));
+    }
+  }
+  const uint64_t dram_free = im.alloc_[kD]->free_pages();
+  if (need > dram_free && need > dram_free + im.EvictableDramPages(-1)) {
+    unpin();
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "Reserve needs ", need, " pages (", need * page_bytes_, " bytes) but the DRAM tier has ",
+        dram_free, " of ", dram_pages_, " pages free and at most ", im.EvictableDramPages(-1),
+        " more unleased; nothing was evicted; retry later, release leases or add --dram"));
+  }
+  for (int k = 0; k < kNumKinds; ++k) {
+    const uint64_t quota = options_.dram_quota_bytes[k] / page_bytes_;
+    if (options_.dram_quota_bytes[k] == 0 || need_kind[k] == 0) continue;
+    const uint64_t reserved = im.reserved_by_kind_[k];
+    if (!im.EvictKind(static_cast<StateKind>(k), quota - need_kind[k] - reserved)) {
+      unpin();
       return absl::ResourceExhaustedError(absl::StrCat(
           "the DRAM quota for ", StateKindName(static_cast<StateKind>(k)), " (",
           options_.dram_quota_bytes[k], " bytes) cannot fit ", need_kind[k] * page_bytes_,
@@ -212,6 +257,7 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
     }
   }
   if (need > im.alloc_[kD]->free_pages() && !im.Evict(kD, need)) {
+    unpin();
     return absl::ResourceExhaustedError(absl::StrCat(
         "Reserve needs ", need, " pages (", need * page_bytes_, " bytes) but the DRAM tier has ",
         im.alloc_[kD]->free_pages(), " of ", dram_pages_,
@@ -232,6 +278,7 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
     }
     out.slots.push_back(std::move(slot));
   }
+  unpin();
   im.reservations_.emplace(out.id, std::move(rs));
   return out;
 }
@@ -342,29 +389,43 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
   {
     absl::MutexLock l(&im.mu_);
     im.ExpireLocked(im.clock_->NowMs());
-    if (spec.never_block) {  // the same walk as below, changing nothing
-      for (const BlockHash& h : spec.hashes) {
-        const Object* o = im.Find(ObjectKey{h, spec.kind});
-        if (!visible(o)) {
-          if (spec.allow_gaps) continue;
-          break;
-        }
+    // The visible blocks of the answer, in chain order (up to the first miss, or all
+    // hits with allow_gaps).
+    std::vector<ObjectKey> chain;
+    for (const BlockHash& h : spec.hashes) {
+      const ObjectKey key{h, spec.kind};
+      if (!visible(im.Find(key))) {
+        if (spec.allow_gaps) continue;
+        break;
+      }
+      chain.push_back(key);
+    }
+    if (spec.never_block) {  // changing nothing
+      for (const ObjectKey& key : chain) {
+        const Object* o = im.Find(key);
         if (!o->copy[kD] && (o->promotion != nullptr || !o->nvme_busy)) {
           return absl::UnavailableError(absl::StrCat(
-              "block ", h.ToHex(), " must be read from NVMe first; Lookup again without never_block"));
+              "block ", key.hash.ToHex(), " must be read from NVMe first; Lookup again without never_block"));
         }
       }
     }
-    for (const BlockHash& h : spec.hashes) {
-      const ObjectKey key{h, spec.kind};
+    // Pin every DRAM hit first: making room for an NVMe hit must not evict a hit later
+    // in the same chain (the answer would lose a block that was there all along).
+    for (const ObjectKey& key : chain) {
       Object* o = im.Find(key);
-      if (!visible(o)) {
+      if (o->copy[kD]) {
+        im.Pin(*o);
+        pinned.push_back(key);
+      }
+    }
+    for (const ObjectKey& key : chain) {
+      Object* o = im.Find(key);  // pinned, or NVMe-only (DRAM eviction leaves it)
+      if (o == nullptr) {
         if (spec.allow_gaps) continue;
         break;
       }
       if (o->copy[kD]) {
-        ++o->pins;
-        pinned.push_back(key);
+        // pinned above
       } else if (o->promotion != nullptr) {
         waits.push_back(o->promotion);
       } else if (!o->nvme_busy) {
@@ -381,6 +442,7 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
         }
         o->nvme_busy = true;
         o->promotion = std::make_shared<absl::Notification>();
+        im.SyncHeld(*o);
         promos.push_back(Promo{key, o->pages[kN], std::move(*pages), o->promotion});
       }
     }
@@ -424,7 +486,7 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
       if (results[i].ok()) {
         im.AddCopy(*o, kD, std::move(p.dram_pages));
         ++im.promotions_;
-        ++o->pins;
+        im.Pin(*o);
         pinned.push_back(p.key);
       } else {
         im.alloc_[kD]->Free(p.dram_pages);
@@ -453,6 +515,7 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
     }
     if (in_prefix) ++ans.prefix_blocks;
     ++o->leases;
+    im.SyncHeld(*o);
     im.Touch(*o);
     lease.keys.push_back(key);
     const bool promoted = std::any_of(promos.begin(), promos.end(),
@@ -461,7 +524,7 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
                                      PageRunDesc{o->pages[kD], o->length}, o->checksum});
   }
   for (const ObjectKey& k : pinned) {
-    if (Object* o = im.Find(k)) --o->pins;
+    if (Object* o = im.Find(k)) im.Unpin(*o);
   }
   if (!lease.keys.empty()) {
     ans.lease_id = im.next_id_++;

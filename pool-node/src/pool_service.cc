@@ -125,8 +125,10 @@ grpc::Status PoolNodeService::DoConnect(const v1::ConnectRequest* req, v1::Conne
     return Done(kConnect, absl::InvalidArgumentError(absl::StrCat(
                                "client_id is ", req->client_id().size(), " bytes; give 1..128")));
   }
-  if (req->ucx_worker_address().size() > (64u << 10)) {
-    return Done(kConnect, absl::InvalidArgumentError("ucx_worker_address exceeds 64 KiB"));
+  if (req->ucx_worker_address().empty() || req->ucx_worker_address().size() > (64u << 10)) {
+    return Done(kConnect, absl::InvalidArgumentError(absl::StrCat(
+                              "ucx_worker_address is ", req->ucx_worker_address().size(),
+                              " bytes; pass the client's UCX worker address (1 byte..64 KiB)")));
   }
   resp->set_node_id(info_.node_id);
   resp->set_ucx_worker_address(info_.ucx_worker_address);
@@ -139,6 +141,21 @@ grpc::Status PoolNodeService::DoConnect(const v1::ConnectRequest* req, v1::Conne
 }
 
 namespace {
+constexpr int kMaxEntries = 4096;  // PoolCore's limit per call, checked before parsing
+
+// client_id is optional on Lookup and Reserve; when given, as Connect's: 1..128 bytes.
+absl::Status CheckRequest(const std::string& client_id, int entries, absl::string_view field) {
+  if (client_id.size() > 128) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("client_id is ", client_id.size(), " bytes; give at most 128"));
+  }
+  if (entries > kMaxEntries) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " has ", entries, " entries; send at most ",
+                                                   kMaxEntries, " per call"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ParseHashes(const google::protobuf::RepeatedPtrField<std::string>& in,
                          std::vector<BlockHash>* out) {
   out->reserve(in.size());
@@ -163,7 +180,8 @@ grpc::ServerUnaryReactor* PoolNodeService::Lookup(grpc::CallbackServerContext* c
                                                   v1::LookupResponse* resp) {
   const auto start = std::chrono::steady_clock::now();
   LookupSpec spec;
-  absl::Status s = ParseHashes(req->block_hashes(), &spec.hashes);
+  absl::Status s = CheckRequest(req->client_id(), req->block_hashes_size(), "block_hashes");
+  if (s.ok()) s = ParseHashes(req->block_hashes(), &spec.hashes);
   if (s.ok()) {
     auto kind = FromProto(req->kind(), "kind");
     if (!kind.ok()) s = kind.status();
@@ -206,6 +224,9 @@ grpc::Status PoolNodeService::FinishLookup(absl::StatusOr<LookupAnswer> ans, v1:
 
 grpc::Status PoolNodeService::Reserve(grpc::ServerContext*, const v1::ReserveRequest* req,
                                       v1::ReserveResponse* resp) {
+  if (absl::Status s = CheckRequest(req->client_id(), req->entries_size(), "entries"); !s.ok()) {
+    return Done(kReserve, s);
+  }
   std::vector<ReserveEntrySpec> entries;
   entries.reserve(req->entries_size());
   for (int i = 0; i < req->entries_size(); ++i) {
@@ -240,6 +261,11 @@ grpc::Status PoolNodeService::Reserve(grpc::ServerContext*, const v1::ReserveReq
 
 grpc::Status PoolNodeService::Commit(grpc::ServerContext*, const v1::CommitRequest* req,
                                      v1::CommitResponse* resp) {
+  if (req->reservation_id() == 0) {
+    return Done(kCommit, absl::InvalidArgumentError(
+                             "reservation_id=0 names no reservation; pass ReserveResponse.reservation_id"));
+  }
+  if (absl::Status s = CheckRequest("", req->entries_size(), "entries"); !s.ok()) return Done(kCommit, s);
   std::vector<CommitEntrySpec> entries;
   for (int i = 0; i < req->entries_size(); ++i) {
     auto h = BlockHash::FromBytes(req->entries(i).block_hash(), absl::StrCat("entries[", i, "].block_hash"));

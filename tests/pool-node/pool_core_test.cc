@@ -326,5 +326,90 @@ TEST_F(PoolCoreTest, ValidationNamesTheField) {
   EXPECT_EQ((*out)[0].status.code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST_F(PoolCoreTest, ReserveNeverEvictsAnEntryItAnswersAlreadyPresent) {
+  auto core = Make(4);
+  ASSERT_TRUE(Put(*core, H(1), std::nullopt, Pattern(1, kPage)).ok());
+  // H(1) is the only (and LRU) evictable object; the new entry needs the whole arena.
+  std::vector<ReserveEntrySpec> es = {{H(1), std::nullopt, StateKind::kAttnKv, kPage},
+                                      {H(2), H(1), StateKind::kAttnKv, 4 * kPage}};
+  auto r = core->Reserve(es);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  EXPECT_TRUE(core->Inspect({H(1), StateKind::kAttnKv}).has_value());
+  // When the rest fits, H(1) is answered present and stays present.
+  es[1].length = 3 * kPage;
+  r = core->Reserve(es);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->slots[0].already_present);
+  EXPECT_TRUE(core->Inspect({H(1), StateKind::kAttnKv}).has_value())
+      << "the Reserve that answered already_present=true evicted it";
+  // The pin ended with that Reserve: the last free page comes from evicting H(1).
+  ReserveEntrySpec next{H(3), std::nullopt, StateKind::kAttnKv, kPage};
+  EXPECT_TRUE(core->Reserve({&next, 1}).ok());
+  EXPECT_FALSE(core->Inspect({H(1), StateKind::kAttnKv}).has_value());
+}
+
+TEST_F(PoolCoreTest, SelfParentIsRefusedNamingTheField) {
+  auto core = Make(4);
+  ReserveEntrySpec e{H(1), H(1), StateKind::kAttnKv, kPage};
+  auto r = core->Reserve({&e, 1});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(r.status().message()),
+              ::testing::HasSubstr("entries[0].parent_hash equals block_hash"));
+  EXPECT_EQ(core->Stats().pending_reservations, 0u);
+}
+
+TEST_F(PoolCoreTest, ParentCycleIsBrokenSoItsObjectsStayEvictable) {
+  auto core = Make(4);
+  ASSERT_TRUE(Put(*core, H(1), H(2), Pattern(1, 2 * kPage)).ok());
+  ASSERT_TRUE(Put(*core, H(2), H(1), Pattern(2, 2 * kPage)).ok());  // would close H1->H2->H1
+  // DRAM is full of unleased objects: a Reserve must be able to evict them.
+  ASSERT_TRUE(Put(*core, H(3), std::nullopt, Pattern(3, 4 * kPage)).ok());
+  EXPECT_FALSE(core->Inspect({H(1), StateKind::kAttnKv}).has_value());
+  EXPECT_FALSE(core->Inspect({H(2), StateKind::kAttnKv}).has_value());
+  // The link that closed the cycle was dropped: H(2) was stored as a chain start.
+  bool stored_h2_without_parent = false;
+  for (const auto& ev : sink_.events) {
+    if (ev.stored && ev.key.hash == H(2)) stored_h2_without_parent = true;
+  }
+  EXPECT_TRUE(stored_h2_without_parent);
+}
+
+TEST_F(PoolCoreTest, ReserveThatCannotFitEvictsNothing) {
+  auto core = Make(8);
+  PutChain(*core, 1, 4, kPage);
+  ReserveEntrySpec e{H(100), std::nullopt, StateKind::kAttnKv, 100 * kPage};  // > the arena
+  auto r = core->Reserve({&e, 1});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(core->Stats().tiers[0].objects, 4u) << "a request that could never fit evicted the cache";
+  // Leased objects stay whatever is evicted: 2 leased + 2 unleased + 4 free < 7.
+  auto lease = core->Lookup({.hashes = {H(1), H(2)}});
+  ASSERT_TRUE(lease.ok());
+  ASSERT_EQ(lease->prefix_blocks, 2u);
+  e.length = 7 * kPage;
+  r = core->Reserve({&e, 1});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(r.status().message()), ::testing::HasSubstr("nothing was evicted"));
+  EXPECT_EQ(core->Stats().tiers[0].objects, 4u);
+  // 6 pages fit by evicting the two unleased ones.
+  e.length = 6 * kPage;
+  EXPECT_TRUE(core->Reserve({&e, 1}).ok());
+  EXPECT_EQ(core->Stats().tiers[0].objects, 2u);
+  EXPECT_TRUE(core->Release(lease->lease_id).ok());
+}
+
+TEST_F(PoolCoreTest, QuotaThatCannotFitEvictsNothing) {
+  PoolOptions o;
+  o.dram_quota_bytes[KindIndex(StateKind::kAttnKv)] = 4 * kPage;
+  auto core = Make(16, o);
+  PutChain(*core, 1, 4, kPage);
+  auto lease = core->Lookup({.hashes = {H(1), H(2)}});
+  ASSERT_TRUE(lease.ok());
+  ReserveEntrySpec e{H(100), std::nullopt, StateKind::kAttnKv, 3 * kPage};  // 2 leased + 3 > 4
+  auto r = core->Reserve({&e, 1});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(core->Stats().tiers[0].objects, 4u);
+  EXPECT_TRUE(core->Release(lease->lease_id).ok());
+}
+
 }  // namespace
 }  // namespace kvpool::pool_node

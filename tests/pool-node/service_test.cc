@@ -391,6 +391,37 @@ TEST_F(ServiceTest, WireErrorsNameFieldsAndCodes) {
   rel.set_lease_id(777);
   v1::ReleaseResponse relr;
   EXPECT_EQ(stub_->Release(&c6, rel, &relr).error_code(), grpc::StatusCode::NOT_FOUND);
+
+  // Fields checked before anything else is parsed, each named with its fix.
+  auto expect_invalid = [](grpc::Status st, const char* field) {
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << field;
+    EXPECT_THAT(st.error_message(), ::testing::HasSubstr(field));
+  };
+  grpc::ClientContext c7;
+  v1::ConnectRequest conn;
+  conn.set_client_id("no-address");
+  v1::ConnectResponse connr;
+  expect_invalid(stub_->Connect(&c7, conn, &connr), "ucx_worker_address is 0 bytes");
+  grpc::ClientContext c8;
+  v1::CommitRequest zero;
+  expect_invalid(stub_->Commit(&c8, zero, &cresp), "reservation_id=0");
+  grpc::ClientContext c9;
+  v1::LookupRequest many;
+  for (int i = 0; i < 4097; ++i) many.add_block_hashes(H(i).ToBytes());
+  expect_invalid(stub_->Lookup(&c9, many, &lresp), "block_hashes has 4097 entries");
+  grpc::ClientContext c10;
+  v1::ReserveRequest named;
+  named.set_client_id(std::string(129, 'c'));
+  *named.add_entries() = rreq.entries(0);
+  expect_invalid(stub_->Reserve(&c10, named, &rresp), "client_id is 129 bytes");
+  grpc::ClientContext c11;
+  v1::ReserveRequest self;
+  auto* se = self.add_entries();
+  se->set_block_hash(H(9).ToBytes());
+  se->set_parent_hash(H(9).ToBytes());
+  se->set_kind(v1::STATE_KIND_ATTN_KV);
+  se->set_length(1000);
+  expect_invalid(stub_->Reserve(&c11, self, &rresp), "entries[0].parent_hash equals block_hash");
 }
 
 TEST_F(ServiceTest, HealthAndMetricsAreServed) {

@@ -95,7 +95,9 @@ struct PoolOptions {
   bool background = true;
   int64_t maintenance_interval_ms = 50;
   Clock* clock = nullptr;       // default: SystemClock()
-  EventSink* events = nullptr;  // may be null; must outlive the core
+  // May be null. Must outlive the core's last call to it: the end of the last API call
+  // and StopBackground() (or the destructor), whichever comes later.
+  EventSink* events = nullptr;
   // Memory for the DRAM arena (4096-aligned, dram_bytes long) owned by the caller, e.g.
   // already registered with UCX. Null: the core maps its own.
   std::byte* arena_memory = nullptr;
@@ -225,6 +227,10 @@ class PoolCore {
   // Expires leases and reservations, then demotes between the watermarks. The
   // background thread calls this; tests call it directly.
   void RunMaintenance();
+  // Stops and joins the background thread (idempotent). After it, and once no call is
+  // in progress, the core calls its EventSink no more: a node stops it before it
+  // destroys the sink, while the core itself stays usable for the sink's full dump.
+  void StopBackground();
   // Demotes up to `max_objects` of the coldest DRAM leaves to NVMe regardless of the
   // watermarks; returns how many moved. 0 without an NVMe tier.
   size_t Demote(size_t max_objects);
