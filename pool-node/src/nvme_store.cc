@@ -300,8 +300,10 @@ NvmeStore::~NvmeStore() {
 }
 
 absl::Status NvmeStore::Transfer(bool write, std::span<const uint32_t> nvme_pages,
-                                 std::span<std::byte* const> memory) {
+                                 std::span<std::byte* const> memory,
+                                 std::vector<absl::Status>* page_status) {
   std::vector<IoOp> ops;
+  std::vector<size_t> op_of_page(nvme_pages.size());
   for (size_t i = 0; i < nvme_pages.size(); ++i) {
     const uint64_t off = static_cast<uint64_t>(nvme_pages[i]) * page_bytes_;
     if (!ops.empty()) {
@@ -309,12 +311,19 @@ absl::Status NvmeStore::Transfer(bool write, std::span<const uint32_t> nvme_page
       if (last.file_offset + last.bytes == off && last.buffer + last.bytes == memory[i] &&
           last.bytes + page_bytes_ <= kMaxOpBytes) {
         last.bytes += static_cast<uint32_t>(page_bytes_);
+        op_of_page[i] = ops.size() - 1;
         continue;
       }
     }
+    op_of_page[i] = ops.size();
     ops.push_back(IoOp{write, off, memory[i], static_cast<uint32_t>(page_bytes_)});
   }
-  return engine_->Run(ops);
+  if (page_status == nullptr) return engine_->Run(ops);
+  std::vector<absl::Status> op_status;
+  absl::Status st = engine_->Run(ops, &op_status);
+  page_status->resize(nvme_pages.size());
+  for (size_t i = 0; i < nvme_pages.size(); ++i) (*page_status)[i] = op_status[op_of_page[i]];
+  return st;
 }
 
 absl::Status NvmeStore::Append(const std::string& bytes) {

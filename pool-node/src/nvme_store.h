@@ -64,8 +64,10 @@ class NvmeStore {
 
   // Moves whole pages between memory and the data file: nvme_pages[i] <-> memory[i]
   // (each page_bytes long, 4096-aligned). Neighbouring pages coalesce into one op.
+  // `page_status`, when given, gets one status per page (that of the op moving it).
   absl::Status Transfer(bool write, std::span<const uint32_t> nvme_pages,
-                        std::span<std::byte* const> memory);
+                        std::span<std::byte* const> memory,
+                        std::vector<absl::Status>* page_status = nullptr);
 
   absl::Status JournalAdd(std::span<const NvmeRecord> records);
   absl::Status JournalRemove(std::span<const ObjectKey> keys);

@@ -449,6 +449,7 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
   }
   // Promotions: read NVMe -> DRAM and verify, without the lock.
   std::vector<absl::Status> results(promos.size());
+  std::vector<char> io_failed(promos.size(), 0);  // a read error, not a checksum mismatch
   if (!promos.empty()) {
     std::vector<uint32_t> nvme_pages;
     std::vector<std::byte*> memory;
@@ -457,24 +458,33 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
       auto a = im.Addresses(p.dram_pages);
       memory.insert(memory.end(), a.begin(), a.end());
     }
-    absl::Status io = im.nvme_->Transfer(/*write=*/false, nvme_pages, memory);
-    for (size_t i = 0; i < promos.size(); ++i) results[i] = io;
-    if (io.ok()) {
-      std::vector<std::pair<uint64_t, uint64_t>> lens;  // (length, expected checksum)
-      {
-        absl::MutexLock l(&im.mu_);
-        for (const Promo& p : promos) {
-          const Object* o = im.Find(p.key);  // nvme_busy keeps it present
-          lens.emplace_back(o->length, o->checksum);
+    // Per page: a read error fails only the objects it touches (their NVMe copies stay:
+    // the disk may answer next time); the others are checked as usual.
+    std::vector<absl::Status> page_status;
+    (void)im.nvme_->Transfer(/*write=*/false, nvme_pages, memory, &page_status);
+    std::vector<std::pair<uint64_t, uint64_t>> lens;  // (length, expected checksum)
+    {
+      absl::MutexLock l(&im.mu_);
+      for (const Promo& p : promos) {
+        const Object* o = im.Find(p.key);  // nvme_busy keeps it present
+        lens.emplace_back(o->length, o->checksum);
+      }
+    }
+    size_t first_page = 0;
+    for (size_t i = 0; i < promos.size(); ++i) {
+      for (size_t j = 0; j < promos[i].nvme_pages.size() && io_failed[i] == 0; ++j) {
+        if (!page_status[first_page + j].ok()) {
+          results[i] = page_status[first_page + j];
+          io_failed[i] = 1;
         }
       }
-      for (size_t i = 0; i < promos.size(); ++i) {
-        const uint64_t got = im.Checksum(promos[i].dram_pages, lens[i].first);
-        if (got != lens[i].second) {
-          results[i] = absl::DataLossError(absl::StrFormat(
-              "NVMe copy of %s failed its checksum (%016x, expected %016x)",
-              promos[i].key.hash.ToHex(), got, lens[i].second));
-        }
+      first_page += promos[i].nvme_pages.size();
+      if (io_failed[i]) continue;
+      const uint64_t got = im.Checksum(promos[i].dram_pages, lens[i].first);
+      if (got != lens[i].second) {
+        results[i] = absl::DataLossError(absl::StrFormat(
+            "NVMe copy of %s failed its checksum (%016x, expected %016x)",
+            promos[i].key.hash.ToHex(), got, lens[i].second));
       }
     }
     absl::MutexLock l(&im.mu_);
@@ -488,6 +498,9 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
         ++im.promotions_;
         im.Pin(*o);
         pinned.push_back(p.key);
+      } else if (io_failed[i]) {  // a miss this time; the NVMe copy stays
+        im.alloc_[kD]->Free(p.dram_pages);
+        spdlog::error("reading {} from NVMe: {}", p.key.hash.ToHex(), std::string(results[i].message()));
       } else {
         im.alloc_[kD]->Free(p.dram_pages);
         ++im.checksum_failures_;

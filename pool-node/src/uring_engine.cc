@@ -15,6 +15,7 @@ struct UringEngine::Batch {
   absl::Mutex mu;
   size_t remaining ABSL_GUARDED_BY(mu) = 0;
   absl::Status status ABSL_GUARDED_BY(mu);
+  std::vector<absl::Status>* op_status ABSL_GUARDED_BY(mu) = nullptr;  // per op, optional
   absl::Notification done;
 };
 
@@ -77,16 +78,18 @@ int UringEngine::FixedIndex(const std::byte* p, uint32_t bytes) const {
   return -1;
 }
 
-absl::Status UringEngine::Run(std::span<const IoOp> ops) {
+absl::Status UringEngine::Run(std::span<const IoOp> ops, std::vector<absl::Status>* op_status) {
+  if (op_status != nullptr) op_status->assign(ops.size(), absl::OkStatus());
   if (ops.empty()) return absl::OkStatus();
   Batch batch;
   {
     absl::MutexLock bl(&batch.mu);
     batch.remaining = ops.size();
+    batch.op_status = op_status;
   }
   {
     absl::MutexLock l(&mu_);
-    for (const IoOp& op : ops) queue_.push_back(Pending{&batch, op, 0});
+    for (size_t i = 0; i < ops.size(); ++i) queue_.push_back(Pending{&batch, ops[i], i, 0});
   }
   uint64_t one = 1;
   (void)!write(event_fd_, &one, sizeof(one));
@@ -164,11 +167,13 @@ void UringEngine::Loop() {
         continue;
       }
       Batch* b = p->batch;
+      const size_t index = p->index;
       delete p;
       bool finished;
       {
         absl::MutexLock bl(&b->mu);
         if (!err.ok() && b->status.ok()) b->status = err;
+        if (!err.ok() && b->op_status != nullptr) (*b->op_status)[index] = err;
         finished = --b->remaining == 0;
       }
       if (finished) b->done.Notify();

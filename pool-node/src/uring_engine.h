@@ -43,8 +43,9 @@ class UringEngine {
   ~UringEngine();
 
   // Runs every op; the first error (as -errno turned into a Status) fails the batch,
-  // but the batch still waits for all its ops before returning.
-  absl::Status Run(std::span<const IoOp> ops);
+  // but the batch still waits for all its ops before returning. `op_status`, when
+  // given, gets one status per op (so a caller can tell which ops failed).
+  absl::Status Run(std::span<const IoOp> ops, std::vector<absl::Status>* op_status = nullptr);
 
   unsigned queue_depth() const { return queue_depth_; }
   bool registered_buffers() const { return registered_; }
@@ -54,6 +55,7 @@ class UringEngine {
   struct Pending {
     Batch* batch;
     IoOp op;
+    size_t index = 0;   // of the op in its batch
     uint32_t done = 0;  // bytes completed (short transfers are resubmitted)
   };
   UringEngine() = default;

@@ -304,6 +304,43 @@ TEST_F(NvmeTierTest, JournalRecordsThatCannotBeRightAreDroppedAtRestart) {
   EXPECT_TRUE(core->Inspect({H(0), StateKind::kAttnKv}));
 }
 
+TEST_F(NvmeTierTest, ReadErrorIsAMissThatKeepsTheNvmeCopy) {
+  auto core = Make(8, 16);
+  ASSERT_TRUE(Put(*core, H(1), std::nullopt, Pattern(1, kPage)).ok());
+  ASSERT_TRUE(Put(*core, H(2), H(1), Pattern(2, kPage)).ok());
+  ASSERT_EQ(core->Demote(2), 2u);
+  const uint32_t p1 = core->Inspect({H(1), StateKind::kAttnKv})->nvme_pages[0];
+  const uint32_t p2 = core->Inspect({H(2), StateKind::kAttnKv})->nvme_pages[0];
+  // The file ends right after the lower page: reading the higher one fails (short read).
+  const off_t full = static_cast<off_t>(16 * kPage);
+  ASSERT_EQ(::truncate(core->nvme_data_path().c_str(), (std::min(p1, p2) + 1) * kPage), 0);
+  auto a = core->Lookup({.hashes = {H(1), H(2)}, .allow_gaps = true});
+  ASSERT_TRUE(a.ok()) << a.status();
+  if (a->lease_id != 0) {
+    ASSERT_TRUE(core->Release(a->lease_id).ok());
+  }
+  // An I/O error is not a checksum failure: nothing dropped, nothing counted.
+  EXPECT_EQ(core->Stats().checksum_failures, 0u);
+  EXPECT_TRUE(core->Inspect({H(1), StateKind::kAttnKv})->on_nvme);
+  EXPECT_TRUE(core->Inspect({H(2), StateKind::kAttnKv})->on_nvme);
+  // The disk answers again, with zeros where the higher page was: that object fails its
+  // checksum and goes; the other is served byte-exact.
+  ASSERT_EQ(::truncate(core->nvme_data_path().c_str(), full), 0);
+  const uint64_t lost = p1 > p2 ? 1 : 2, kept = 3 - lost;
+  auto b = core->Lookup({.hashes = {H(kept)}});
+  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_EQ(b->prefix_blocks, 1u);
+  auto bytes = core->ReadObject(b->lease_id, {H(kept), StateKind::kAttnKv});
+  ASSERT_TRUE(bytes.ok());
+  EXPECT_TRUE(*bytes == Pattern(kept, kPage));
+  ASSERT_TRUE(core->Release(b->lease_id).ok());
+  auto c = core->Lookup({.hashes = {H(lost)}});
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->prefix_blocks, 0u);
+  EXPECT_EQ(core->Stats().checksum_failures, 1u);
+  EXPECT_FALSE(core->Inspect({H(lost), StateKind::kAttnKv}));
+}
+
 TEST_F(NvmeTierTest, LeasedObjectsAreNeitherDemotedNorMoved) {
   auto core = Make(8, 16);
   ASSERT_TRUE(Put(*core, H(0), std::nullopt, Pattern(0, kPage)).ok());
