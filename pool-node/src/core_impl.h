@@ -147,6 +147,9 @@ class PoolCore::Impl {
   uint64_t Checksum(const std::vector<uint32_t>& dram_pages, uint64_t length) const;
   uint64_t PagesFor(uint64_t bytes) const { return (bytes + page_bytes_ - 1) / page_bytes_; }
 
+  // Rewrites the NVMe journal from the objects on NVMe (NvmeStore::LockJournal).
+  void CompactJournal() ABSL_LOCKS_EXCLUDED(mu_);
+
   // --- demotion (core_objects.cc) ---
   size_t DemoteBatch(size_t max_objects, uint64_t stop_at_used_pages);
   void BackgroundLoop();

@@ -325,6 +325,28 @@ uint64_t PoolCore::Impl::Checksum(const std::vector<uint32_t>& pages, uint64_t l
   return sum;
 }
 
+void PoolCore::Impl::CompactJournal() {
+  constexpr int kN = static_cast<int>(Tier::kNvme);
+  std::vector<NvmeRecord> live;
+  {
+    // Journal records are appended under mu_ (AddCopy / DropCopy of the NVMe tier), so
+    // this snapshot is the journal's live set; the journal lock is taken before mu_ is
+    // released, so every later record lands in the rewritten journal.
+    absl::MutexLock l(&mu_);
+    live.reserve(objects_in_[kN]);
+    for (const auto& [key, o] : objects_) {
+      if (o->copy[kN]) live.push_back(NvmeRecord{o->key, o->parent, o->length, o->checksum, o->pages[kN]});
+    }
+    nvme_->LockJournal();
+  }
+  absl::Status st = nvme_->CompactJournalAndUnlock(live);
+  if (!st.ok()) {
+    spdlog::error("NVMe journal compaction: {}", std::string(st.message()));
+  } else {
+    spdlog::info("NVMe journal compacted to {} live records ({} bytes)", live.size(), nvme_->journal_bytes());
+  }
+}
+
 // One round of demotion: writes up to `max_objects` of the coldest DRAM leaves to NVMe
 // (one io_uring batch) and drops their DRAM copies, stopping once DRAM uses at most
 // `stop_at_used_pages`. Returns how many objects left DRAM.

@@ -268,25 +268,12 @@ absl::StatusOr<std::unique_ptr<NvmeStore>> NvmeStore::Open(const std::string& di
                  journal_path, s->dropped_records_);
   }
 
-  // Compacted journal: header + one ADD per live object.
-  std::string compact = HeaderRecord(page_bytes, pages);
   recovered->clear();
-  for (auto& [key, rec] : live) {
-    compact += AddRecord(rec);
-    recovered->push_back(std::move(rec));
-  }
-  const std::string tmp = journal_path + ".tmp";
-  int tfd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  if (tfd < 0) return Errno("open", tmp);
-  absl::Status ws = WriteAll(tfd, compact, tmp);
-  ::fsync(tfd);
-  ::close(tfd);
-  RETURN_IF_ERROR(ws);
-  if (::rename(tmp.c_str(), journal_path.c_str()) != 0) return Errno("rename", tmp);
+  for (auto& [key, rec] : live) recovered->push_back(std::move(rec));
+  s->journal_path_ = journal_path;
   {
     absl::MutexLock l(&s->journal_mu_);
-    s->journal_fd_ = ::open(journal_path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
-    if (s->journal_fd_ < 0) return Errno("open", journal_path);
+    RETURN_IF_ERROR(s->RewriteJournalLocked(*recovered));
   }
   ASSIGN_OR_RETURN(s->engine_, UringEngine::Create(s->data_fd_, queue_depth, fixed));
   return s;
@@ -326,6 +313,43 @@ absl::Status NvmeStore::Transfer(bool write, std::span<const uint32_t> nvme_page
   return st;
 }
 
+// Compacted journal: header + one ADD per live object, written beside the journal and
+// renamed over it (a crash leaves the old or the new one, both complete).
+absl::Status NvmeStore::RewriteJournalLocked(std::span<const NvmeRecord> live) {
+  std::string compact = HeaderRecord(page_bytes_, num_pages_);
+  for (const NvmeRecord& rec : live) compact += AddRecord(rec);
+  const std::string tmp = journal_path_ + ".tmp";
+  // Opened for appending from the start: after the rename this descriptor is the
+  // journal (no reopen that could fail and leave appends going to the old file).
+  int tfd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0600);
+  if (tfd < 0) return Errno("open", tmp);
+  absl::Status ws = WriteAll(tfd, compact, tmp);
+  if (ws.ok() && ::fsync(tfd) != 0) ws = Errno("fsync", tmp);
+  if (ws.ok() && ::rename(tmp.c_str(), journal_path_.c_str()) != 0) ws = Errno("rename", tmp);
+  if (!ws.ok()) {  // the current journal stays as it was
+    ::close(tfd);
+    ::unlink(tmp.c_str());
+    return ws;
+  }
+  if (journal_fd_ >= 0) ::close(journal_fd_);
+  journal_fd_ = tfd;
+  journal_bytes_ = compacted_bytes_ = compact.size();
+  return absl::OkStatus();
+}
+
+bool NvmeStore::JournalWantsCompaction(uint64_t min_bytes) {
+  absl::MutexLock l(&journal_mu_);
+  return journal_bytes_ > min_bytes && journal_bytes_ > 4 * compacted_bytes_;
+}
+
+void NvmeStore::LockJournal() { journal_mu_.Lock(); }
+
+absl::Status NvmeStore::CompactJournalAndUnlock(std::span<const NvmeRecord> live) {
+  absl::Status st = RewriteJournalLocked(live);
+  journal_mu_.Unlock();
+  return st;
+}
+
 absl::Status NvmeStore::Append(const std::string& bytes) {
   absl::MutexLock l(&journal_mu_);
   const off_t end = ::lseek(journal_fd_, 0, SEEK_END);
@@ -336,6 +360,7 @@ absl::Status NvmeStore::Append(const std::string& bytes) {
     st = absl::InternalError(absl::StrCat(st.message(), "; and truncating the torn record failed: ",
                                           std::strerror(errno)));
   }
+  if (st.ok()) journal_bytes_ += bytes.size();
   return st;
 }
 

@@ -5,7 +5,8 @@
 //   kvpool-nvme.journal  append-only index: a header (page_bytes, capacity_pages), then
 //                        ADD (key, parent, length, checksum, pages) and DEL (key)
 //                        records, each with an XXH3-64 of its bytes. Replayed at Open
-//                        (stopping at a torn tail) and rewritten compacted.
+//                        (stopping at a torn tail) and rewritten compacted, at Open and
+//                        while running once it outgrows its live records.
 //
 // The store knows nothing of leases or eviction: the tier (PoolCore) decides which pages
 // an object uses and writes an ADD only after the object's data write completed, so a
@@ -72,6 +73,21 @@ class NvmeStore {
   absl::Status JournalAdd(std::span<const NvmeRecord> records);
   absl::Status JournalRemove(std::span<const ObjectKey> keys);
 
+  // Online compaction (the journal otherwise grows with every demotion and NVMe eviction
+  // until the next start). True once the journal holds more than `min_bytes` and 4x
+  // what its last compaction wrote (so rewriting costs O(1) per record appended).
+  bool JournalWantsCompaction(uint64_t min_bytes);
+  // The caller takes a snapshot of the live records under the same lock as its journal
+  // calls, calls LockJournal before releasing that lock (so every later record lands in
+  // the new journal), then CompactJournalAndUnlock with the snapshot.
+  void LockJournal() ABSL_EXCLUSIVE_LOCK_FUNCTION(journal_mu_);
+  absl::Status CompactJournalAndUnlock(std::span<const NvmeRecord> live)
+      ABSL_UNLOCK_FUNCTION(journal_mu_);
+  uint64_t journal_bytes() {
+    absl::MutexLock l(&journal_mu_);
+    return journal_bytes_;
+  }
+
  private:
   NvmeStore() = default;
   absl::Status Append(const std::string& bytes);
@@ -83,8 +99,14 @@ class NvmeStore {
   int data_fd_ = -1;
   std::unique_ptr<UringEngine> engine_;
 
+  absl::Status RewriteJournalLocked(std::span<const NvmeRecord> live)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(journal_mu_);
+
+  std::string journal_path_;
   absl::Mutex journal_mu_;
   int journal_fd_ ABSL_GUARDED_BY(journal_mu_) = -1;
+  uint64_t journal_bytes_ ABSL_GUARDED_BY(journal_mu_) = 0;    // file size
+  uint64_t compacted_bytes_ ABSL_GUARDED_BY(journal_mu_) = 0;  // size after the last rewrite
 };
 
 }  // namespace kvpool::pool_node

@@ -590,6 +590,9 @@ void PoolCore::RunMaintenance() {
     high = static_cast<uint64_t>(options_.demote_high_watermark * dram_pages_);
     low = static_cast<uint64_t>(options_.demote_low_watermark * dram_pages_);
   }
+  if (im.nvme_ != nullptr && im.nvme_->JournalWantsCompaction(options_.journal_compact_min_bytes)) {
+    im.CompactJournal();
+  }
   if (im.nvme_ == nullptr || used <= high) return;
   for (int round = 0; round < 1024; ++round) {
     if (im.DemoteBatch(64, low) == 0) break;

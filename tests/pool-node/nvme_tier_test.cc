@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
 #include <thread>
 
 #include <xxhash.h>
@@ -339,6 +340,39 @@ TEST_F(NvmeTierTest, ReadErrorIsAMissThatKeepsTheNvmeCopy) {
   EXPECT_EQ(c->prefix_blocks, 0u);
   EXPECT_EQ(core->Stats().checksum_failures, 1u);
   EXPECT_FALSE(core->Inspect({H(lost), StateKind::kAttnKv}));
+}
+
+TEST_F(NvmeTierTest, JournalIsCompactedWhileRunningAndStillRecovers) {
+  PoolOptions o;
+  o.journal_compact_min_bytes = 4096;
+  const std::string journal = dir_.path() + "/kvpool-nvme.journal";
+  auto size = [&] { return std::filesystem::file_size(journal); };
+  uint64_t on_nvme = 0;
+  {
+    auto core = Make(8, 4, o);
+    // Churn: every round demotes 2 new objects into a 4-page NVMe tier, which evicts
+    // the previous 2 (an ADD and a DEL record each).
+    for (uint64_t round = 0; round < 60; ++round) {
+      ASSERT_TRUE(Put(*core, H(2 * round), std::nullopt, Pattern(2 * round, kPage)).ok());
+      ASSERT_TRUE(Put(*core, H(2 * round + 1), std::nullopt, Pattern(2 * round + 1, kPage)).ok());
+      ASSERT_EQ(core->Demote(2), 2u) << round;
+    }
+    const uint64_t grown = size();
+    core->RunMaintenance();
+    EXPECT_LT(size(), grown / 4) << "the journal kept every record since the start";
+    // Records after the rewrite land in the new journal.
+    ASSERT_TRUE(Put(*core, H(500), std::nullopt, Pattern(500, kPage)).ok());
+    ASSERT_EQ(core->Demote(1), 1u);
+    on_nvme = core->Stats().tiers[1].objects;
+  }
+  auto core = Make(8, 4, o);
+  EXPECT_EQ(core->Stats().tiers[1].objects, on_nvme);
+  auto a = core->Lookup({.hashes = {H(500)}});
+  ASSERT_TRUE(a.ok());
+  ASSERT_EQ(a->prefix_blocks, 1u);
+  auto bytes = core->ReadObject(a->lease_id, {H(500), StateKind::kAttnKv});
+  ASSERT_TRUE(bytes.ok());
+  EXPECT_TRUE(*bytes == Pattern(500, kPage));
 }
 
 TEST_F(NvmeTierTest, LeasedObjectsAreNeitherDemotedNorMoved) {

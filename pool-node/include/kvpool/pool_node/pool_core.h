@@ -82,6 +82,9 @@ struct PoolOptions {
   std::string nvme_dir = {};   // --nvme-dir: empty = no NVMe tier
   uint64_t nvme_bytes = 0;     // --nvme
   unsigned io_queue_depth = 32;
+  // Maintenance rewrites the NVMe journal once it holds more than this many bytes and
+  // 4x what its last rewrite wrote (it grows with every demotion and NVMe eviction).
+  uint64_t journal_compact_min_bytes = 16 << 20;
   // Background demotion starts above high and stops at low (fractions of DRAM pages).
   double demote_high_watermark = 0.90;
   double demote_low_watermark = 0.75;
@@ -224,8 +227,9 @@ class PoolCore {
   void CopyFromRun(const PageRunDesc& run, std::span<std::byte> bytes) const;
   uint64_t RunChecksum(const PageRunDesc& run) const;
 
-  // Expires leases and reservations, then demotes between the watermarks. The
-  // background thread calls this; tests call it directly.
+  // Expires leases and reservations, compacts the NVMe journal when it has outgrown its
+  // live records, then demotes between the watermarks. The background thread calls
+  // this; tests call it directly.
   void RunMaintenance();
   // Stops and joins the background thread (idempotent). After it, and once no call is
   // in progress, the core calls its EventSink no more: a node stops it before it
