@@ -116,6 +116,10 @@ void WorkerImpl::SendOwnerReply(ucp_ep_h reply_ep, unsigned id, uint64_t batch_i
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   p.cb.send = &OwnerSendCb;
   p.user_data = op;
+  // The initiator accepts a reply only from the endpoint its batch went out on
+  // (param->reply_ep there): another peer cannot complete its batches.
+  p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = UCP_AM_SEND_FLAG_REPLY;
   // UCX asserts on an empty iov: header-only replies are contig; so is a single piece
   // (zero-copy rendezvous on tcp, see WorkerImpl::StartAm).
   const void* payload = nullptr;
@@ -163,10 +167,12 @@ ucs_status_t WorkerImpl::OnAm(unsigned id, const void* header, size_t header_len
   AmHeader h{};
   if (header_len < sizeof(AmHeader)) return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
   std::memcpy(&h, header, sizeof(h));
-  if (id == kAmPutAck || id == kAmGetResp) return OnInitiatorReply(id, h, data, len, rndv);
+  const bool has_reply = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0;
+  if (id == kAmPutAck || id == kAmGetResp) {
+    return OnInitiatorReply(id, h, data, len, rndv, has_reply ? param->reply_ep : nullptr);
+  }
 
   // Owner side.
-  const bool has_reply = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0;
   if (!has_reply) return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
   ucp_ep_h reply_ep = param->reply_ep;
   std::vector<ucp_dt_iov_t> iov;
@@ -223,11 +229,16 @@ ucs_status_t WorkerImpl::OnAm(unsigned id, const void* header, size_t header_len
 }
 
 ucs_status_t WorkerImpl::OnInitiatorReply(unsigned id, const AmHeader& h, void* data,
-                                          size_t len, bool rndv) {
+                                          size_t len, bool rndv, ucp_ep_h reply_ep) {
   auto it = batches_.find(h.batch_id);
   // No longer awaited (the batch is gone, or its endpoint failed): drop it.
   if (it == batches_.end() || it->second->replies_awaited <= 0) return UCS_OK;
   Batch& b = *it->second;
+  // Batch ids are sequential, hence guessable: only the peer the batch went to may answer
+  // it, once per message (a duplicate would count down another message's reply).
+  if (reply_ep == nullptr || reply_ep != b.ep->ep_) return UCS_OK;
+  if (h.part >= b.answered.size() || b.answered[h.part]) return UCS_OK;
+  b.answered[h.part] = true;
   --b.replies_awaited;
   if (b.finished) {
     // A reply to a batch that already failed (another part refused, a timeout): it only
@@ -249,13 +260,8 @@ ucs_status_t WorkerImpl::OnInitiatorReply(unsigned id, const AmHeader& h, void* 
     OnOpDone(&b, UCS_OK);
     return UCS_OK;
   }
-  // kAmGetResp: land the payload in the local pages of this part.
-  if (h.part >= b.iovs.size()) {
-    --b.outstanding;
-    Finish(b, absl::InternalError("get response for an unknown message"));
-    MaybeFree(b.id);
-    return UCS_OK;
-  }
+  // kAmGetResp: land the payload in the local pages of this part (h.part < iovs.size():
+  // checked against `answered` above).
   const auto& iov = b.iovs[h.part];
   uint64_t want = 0;
   for (const auto& v : iov) want += v.length;

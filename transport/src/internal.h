@@ -103,6 +103,12 @@ struct Batch {
   int replies_awaited = 0;
   bool finished = false;
   absl::Status status;  // first error
+  // `done` has been handed to ready_. Normally when the batch is freed (finished and
+  // nothing outstanding: UCX no longer writes into or reads from the caller's pages);
+  // early only for an endpoint UCX cannot cancel (see CheckDeadlines).
+  bool delivered = false;
+  // AM: per message, its reply arrived (a duplicate must not count down another's).
+  std::vector<bool> answered;
   // AM: per-message local iovs and headers (alive until the message completes).
   std::vector<std::vector<ucp_dt_iov_t>> iovs;
   std::vector<std::string> headers;
@@ -230,6 +236,7 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   void StartRma(Batch& b);
   void StartAm(Batch& b);
   void Finish(Batch& b, absl::Status s);
+  void Deliver(Batch& b);
   void MaybeFree(uint64_t id);
   void FailEndpointBatches(EndpointImpl* ep, const absl::Status& s);
   void CheckDeadlines();
@@ -241,7 +248,7 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
                       absl::Status status, std::vector<ucp_dt_iov_t> iov,
                       std::vector<std::shared_ptr<Arena>> hold);
   ucs_status_t OnInitiatorReply(unsigned id, const AmHeader& h, void* data, size_t len,
-                                bool rndv);
+                                bool rndv, ucp_ep_h reply_ep);
 
   std::thread thread_;
   int epfd_ = -1;
@@ -251,7 +258,14 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   // Progress thread only.
   absl::flat_hash_map<uint64_t, std::unique_ptr<Batch>> batches_;
   std::vector<std::shared_ptr<EndpointImpl>> endpoints_;
-  std::vector<void*> closing_reqs_;
+  // Endpoint closes in progress, with the EndpointImpl they were created for (UCX's
+  // error handler argument: it must outlive the ucp_ep).
+  struct Closing {
+    void* req;
+    std::shared_ptr<EndpointImpl> ep;
+  };
+  std::vector<Closing> closing_reqs_;
+  void CloseUcpEp(const std::shared_ptr<EndpointImpl>& ep);
   std::vector<std::shared_ptr<EndpointImpl>> to_close_;
   int owner_inflight_ = 0;  // owner-side AM receives/sends not yet complete
   uint32_t next_arena_id_ ABSL_GUARDED_BY(mu_) = 1;

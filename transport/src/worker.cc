@@ -11,8 +11,11 @@
 //           payload=iov of local segs) then wait for kAmPutAck; get: kAmGetReq then
 //           receive kAmGetResp's payload in place (rendezvous: ucp_am_recv_data_nbx).
 //   Every UCX request and every awaited reply counts in Batch::outstanding; the batch
-//   finishes at the first error or when outstanding drops to 0, and is freed when it
-//   is finished and nothing is outstanding (late callbacks still find it).
+//   finishes (its status is fixed) at the first error or when outstanding drops to 0,
+//   and is released when it is finished and nothing is outstanding (late callbacks still
+//   find it). The caller's callback runs only then: after a failure UCX may still be
+//   receiving earlier messages into the caller's pages, and a caller told "failed"
+//   reuses them at once.
 #include <poll.h>
 #include <signal.h>
 #include <sys/epoll.h>
@@ -21,6 +24,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -412,7 +416,12 @@ void WorkerImpl::Loop() {
     for (uint64_t id : ids) {
       auto it = batches_.find(id);
       if (it != batches_.end()) {
-        Finish(*it->second, absl::CancelledError("transport worker shut down"));
+        Batch& b = *it->second;
+        Finish(b, absl::CancelledError("transport worker shut down"));
+        // Endpoints close below: no reply comes any more.
+        b.outstanding -= b.replies_awaited;
+        b.replies_awaited = 0;
+        MaybeFree(id);
       }
     }
     for (auto& ep : endpoints_) {
@@ -421,10 +430,15 @@ void WorkerImpl::Loop() {
     }
     ReapClosedEndpoints();
     const absl::Time end = absl::Now() + absl::Seconds(2);
-    while ((!closing_reqs_.empty() || owner_inflight_ > 0) && absl::Now() < end) {
+    while ((!closing_reqs_.empty() || owner_inflight_ > 0 || !batches_.empty()) &&
+           absl::Now() < end) {
       ucp_worker_progress(worker_);
       ReapClosedEndpoints();
     }
+    // Requests UCX still holds after 2 s (a peer that keeps them, an endpoint that cannot
+    // be forced closed): answer their callers rather than never; the worker is destroyed
+    // right after this thread ends.
+    for (auto& [id, b] : batches_) Deliver(*b);
   }
   RunCallbacks();
 }
@@ -557,12 +571,7 @@ absl::StatusOr<std::shared_ptr<EndpointImpl>> WorkerImpl::Connect(absl::string_v
     if (prefer_shm && context_->peer_failure_capable() && !LanesUseSharedMemory(ep->describe_)) {
       // Same host, yet UCX found no shared-memory lane (e.g. another IPC namespace):
       // without shared memory, take the transport that watches the peer.
-      ucp_request_param_t cp{};
-      cp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      cp.flags = UCP_EP_CLOSE_FLAG_FORCE;
-      void* req = ucp_ep_close_nbx(ep->ep_, &cp);
-      if (req != nullptr && !UCS_PTR_IS_ERR(req)) closing_reqs_.push_back(req);
-      ep->ep_ = nullptr;
+      CloseUcpEp(ep);  // mode NONE: flushed, not forced (nothing is in flight on it yet)
       p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
       RETURN_IF_ERROR(FromUcs(ucp_ep_create(worker_, &p, &ep->ep_), "ucp_ep_create"));
       ep->peer_failure_detection_ = true;
@@ -636,24 +645,45 @@ void WorkerImpl::ReapClosedEndpoints() {
         for (ucp_rkey_h r : ep->stale_rkeys_) ucp_rkey_destroy(r);
         ep->stale_rkeys_.clear();
       }
-      ucp_request_param_t p{};
-      p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      // Force: the peer may be gone, and a graceful close would wait for it.
-      p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-      void* req = ucp_ep_close_nbx(ep->ep_, &p);
-      ep->ep_ = nullptr;
-      if (req != nullptr && !UCS_PTR_IS_ERR(req)) closing_reqs_.push_back(req);
+      CloseUcpEp(ep);
       std::erase(endpoints_, ep);
     }
   }
   for (size_t i = 0; i < closing_reqs_.size();) {
-    if (ucp_request_check_status(closing_reqs_[i]) != UCS_INPROGRESS) {
-      ucp_request_free(closing_reqs_[i]);
+    if (ucp_request_check_status(closing_reqs_[i].req) != UCS_INPROGRESS) {
+      ucp_request_free(closing_reqs_[i].req);
       closing_reqs_[i] = closing_reqs_.back();
       closing_reqs_.pop_back();
     } else {
       ++i;
     }
+  }
+}
+
+void WorkerImpl::CloseUcpEp(const std::shared_ptr<EndpointImpl>& ep) {
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  // Force where the endpoint has PEER error handling: the peer may be gone, a graceful
+  // close would wait for it, and forcing completes (cancels) its requests. UCX 1.13
+  // refuses to force a mode-NONE endpoint (UCS_ERR_INVALID_PARAM, the ep left open and
+  // leaked): those are flushed, and their transfers in flight run to completion (or
+  // until the peer dies; see CheckDeadlines).
+  p.flags = ep->peer_failure_detection_ ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  void* req = ucp_ep_close_nbx(ep->ep_, &p);
+  if (UCS_PTR_IS_ERR(req) && p.flags != 0) {
+    // Refused before anything happened: the ep is still ours; flush it instead.
+    p.flags = 0;
+    req = ucp_ep_close_nbx(ep->ep_, &p);
+  }
+  ep->ep_ = nullptr;
+  if (UCS_PTR_IS_ERR(req)) {
+    // The flush failed at once (the peer is unreachable): UCX has released the ep.
+    // Nothing to wait for; say so rather than drop it silently. (Not through health:
+    // Connect closes a first attempt this way and reuses the EndpointImpl.)
+    std::fprintf(stderr, "kvpool transport: closing endpoint %s: %s\n", ep->name_.c_str(),
+                 ucs_status_string(UCS_PTR_STATUS(req)));
+  } else if (req != nullptr) {
+    closing_reqs_.push_back({req, ep});
   }
 }
 
@@ -798,6 +828,7 @@ void WorkerImpl::StartAm(Batch& b) {
   const size_t nmsg = msgs.size();
   b.headers.resize(nmsg);
   b.iovs.resize(nmsg);
+  b.answered.assign(nmsg, false);
   for (size_t m = 0; m < nmsg; ++m) {
     const auto [first, n] = msgs[m];
     AmHeader h{};
@@ -836,6 +867,12 @@ void WorkerImpl::StartAm(Batch& b) {
       r = ucp_am_send_nbx(b.ep->ep_, kAmPut, hdr.data(), hdr.size(), iov.data(), iov.size(), &p);
     } else {
       r = ucp_am_send_nbx(b.ep->ep_, kAmGetReq, hdr.data(), hdr.size(), nullptr, 0, &p);
+    }
+    if (UCS_PTR_IS_ERR(r)) {
+      // Nothing went out: no reply will come for this message.
+      --b.outstanding;
+      --b.replies_awaited;
+      b.answered[m] = true;
     }
     Track(b, r, "ucp_am_send_nbx");
     if (b.finished) return;
@@ -890,14 +927,22 @@ void WorkerImpl::Finish(Batch& b, absl::Status s) {
     }
   }
   b.observe = nullptr;
-  // Delivered by RunCallbacks once ucx_mu_ is released: a callback may submit again.
-  if (b.done) ready_.emplace_back(std::move(b.done), std::move(s));
+  // `done` waits for the release (MaybeFree): requests of this batch may still be moving
+  // bytes into or out of the caller's pages.
+}
+
+void WorkerImpl::Deliver(Batch& b) {
+  if (b.delivered) return;
+  b.delivered = true;
+  // Run by RunCallbacks once ucx_mu_ is released: a callback may submit again.
+  if (b.done) ready_.emplace_back(std::move(b.done), b.status);
   b.done = nullptr;
 }
 
 void WorkerImpl::MaybeFree(uint64_t id) {
   auto it = batches_.find(id);
   if (it != batches_.end() && it->second->finished && it->second->outstanding <= 0) {
+    Deliver(*it->second);
     batches_.erase(it);
     absl::MutexLock l(&mu_);
     --stats_.batches_in_flight;
@@ -908,20 +953,51 @@ void WorkerImpl::CheckDeadlines() {
   const absl::Time now = absl::Now();
   if (now - last_deadline_check_ < absl::Milliseconds(5)) return;
   last_deadline_check_ = now;
-  std::vector<Batch*> late;
+  // Late: unfinished, or failed but still held by requests or replies (e.g. one part
+  // refused while another's reply never comes). Endpoints, not batch pointers: closing
+  // one may release (free) its batches.
+  std::vector<std::shared_ptr<EndpointImpl>> late;
+  std::vector<uint64_t> abandon;
   for (auto& [id, b] : batches_) {
-    if (!b->finished && now > b->deadline) late.push_back(b.get());
+    if (now <= b->deadline) continue;
+    if (b->ep->ep_ != nullptr && std::find(late.begin(), late.end(), b->ep) == late.end()) {
+      late.push_back(b->ep);
+    }
+    // The endpoint is closed but UCX still holds requests of the batch: a mode-NONE
+    // (shared-memory) endpoint cannot be force-closed, and a dead peer never completes
+    // them. Give up on them once the peer process is gone (it writes nothing any more)
+    // or one more timeout later, rather than hang the caller.
+    if (b->ep->ep_ == nullptr && !b->delivered &&
+        (now > b->deadline + options_.batch_timeout || b->ep->PeerProcessGone())) {
+      abandon.push_back(id);
+    }
   }
-  for (Batch* b : late) {
-    if (b->finished) continue;
-    auto ep = b->ep;
-    const absl::Status s = absl::DeadlineExceededError(absl::StrCat(
-        "batch did not complete within ", absl::FormatDuration(options_.batch_timeout),
-        "; endpoint closed (reconnect to retry)"));
+  const absl::Status s = absl::DeadlineExceededError(absl::StrCat(
+      "batch did not complete within ", absl::FormatDuration(options_.batch_timeout),
+      "; endpoint closed (reconnect to retry)"));
+  for (auto& ep : late) {
     ep->SetHealth(absl::UnavailableError(s.message()));
-    FailEndpointBatches(ep.get(), s);
-    // UCX cannot cancel a started RMA: closing the endpoint completes what is pending.
+    // Fix the status first: the close below completes pending requests with errors.
+    for (auto& [id, b] : batches_) {
+      if (b->ep == ep && !b->finished) Finish(*b, s);
+    }
+    // UCX cannot cancel a started transfer: closing the endpoint (force, where it has
+    // PEER error handling) completes what is pending, so that no byte lands in the
+    // caller's pages after its callback. Closed before anything is released.
     to_close_.push_back(ep);
+    ReapClosedEndpoints();
+    FailEndpointBatches(ep.get(), s);
+  }
+  for (uint64_t id : abandon) {
+    auto it = batches_.find(id);
+    if (it == batches_.end()) continue;
+    Batch& b = *it->second;
+    if (!b.finished) Finish(b, s);
+    b.status = absl::Status(b.status.code(), absl::StrCat(
+        b.status.message(), "; the peer did not let go of the transfer (a shared-memory "
+                            "endpoint cannot cancel one in flight)"));
+    // The Batch itself stays until UCX completes its requests (they point at it).
+    Deliver(b);
   }
 }
 
