@@ -26,6 +26,14 @@
 namespace kvpool::kernels::internal {
 namespace {
 
+// CUDA allows at most 65535 blocks on a grid's y and z dimensions; fields that set them
+// are refused up front, naming the field, instead of failing as a launch error.
+absl::Status GridLimit(int64_t value, absl::string_view field, absl::string_view why) {
+  if (value <= 65535) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(field, "=", value, " exceeds the CUDA backend's 65535 (",
+                                                 why, "); split the call"));
+}
+
 absl::Status CudaStatus(cudaError_t e, absl::string_view what) {
   if (e == cudaSuccess) return absl::OkStatus();
   return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
@@ -373,6 +381,7 @@ class CudaBackend final : public KernelBackend {
 
  protected:
   absl::Status DoGqaDecode(const GqaDecodeParams& p) override {
+    RETURN_IF_ERROR(GridLimit(p.num_q_heads, "num_q_heads", "one block row per head"));
     AttnArgs a = Common(p.kv.k, p.kv.v, p.kv.num_kv_heads * p.kv.head_dim, p.kv.head_dim, p.kv.head_dim,
                         p.kv.page_size, p.kv.num_pages, p.table, p.num_q_heads, p.kv.num_kv_heads, p.scale);
     a.q = p.q;
@@ -380,6 +389,7 @@ class CudaBackend final : public KernelBackend {
   }
 
   absl::Status DoGqaPrefill(const GqaPrefillParams& p) override {
+    RETURN_IF_ERROR(GridLimit(p.num_q_heads, "num_q_heads", "one block row per head"));
     AttnArgs a = Common(p.kv.k, p.kv.v, p.kv.num_kv_heads * p.kv.head_dim, p.kv.head_dim, p.kv.head_dim,
                         p.kv.page_size, p.kv.num_pages, p.table, p.num_q_heads, p.kv.num_kv_heads, p.scale);
     a.q = p.q;
@@ -391,6 +401,7 @@ class CudaBackend final : public KernelBackend {
   }
 
   absl::Status DoMlaDecodeAbsorbed(const MlaDecodeParams& p) override {
+    RETURN_IF_ERROR(GridLimit(p.num_heads, "num_heads", "one block row per head"));
     AttnArgs a = Common(p.kv.entries, p.kv.entries, p.kv.EntryDim(), 0, 0, p.kv.page_size, p.kv.num_pages,
                         p.table, p.num_heads, 1, p.scale);
     a.k_stride = a.v_stride = p.kv.EntryDim();
@@ -401,6 +412,8 @@ class CudaBackend final : public KernelBackend {
   }
 
   absl::Status DoMlaMaterialized(const MlaMaterializedParams& p) override {
+    RETURN_IF_ERROR(GridLimit(p.num_heads, "num_heads", "one block row per head"));
+    RETURN_IF_ERROR(GridLimit(p.table.batch, "table.batch", "one block row per sequence when up-projecting"));
     ASSIGN_OR_RETURN(const int total, TotalQueries(p.q_indptr, p.table.batch));
     if (total == 0) return absl::OkStatus();
     const int H = p.num_heads, dk = p.qk_nope_dim + 64, dv = p.v_head_dim;
@@ -454,11 +467,13 @@ class CudaBackend final : public KernelBackend {
   }
 
   absl::Status DoKdaDecode(const KdaDecodeParams& p) override {
+    RETURN_IF_ERROR(GridLimit(p.pool.num_heads, "pool.num_heads", "one block row per head"));
     KdaDecodeKernel<<<dim3(p.batch, p.pool.num_heads), 256, 0, stream_>>>(p);
     return CudaStatus(cudaGetLastError(), "kda decode launch");
   }
 
   absl::Status DoKdaChunkedPrefill(const KdaPrefillParams& p) override {
+    RETURN_IF_ERROR(GridLimit(p.pool.num_heads, "pool.num_heads", "one block row per head"));
     KdaPrefillKernel<<<dim3(p.batch, p.pool.num_heads), 256, 0, stream_>>>(p);
     return CudaStatus(cudaGetLastError(), "kda prefill launch");
   }
@@ -499,6 +514,8 @@ class CudaBackend final : public KernelBackend {
   // splits past a sequence's end record m = -inf and drop out of the merge.
   absl::Status Decode(AttnArgs a, DType dtype, int split_tokens, float* out) {
     const int64_t cap = static_cast<int64_t>(a.max_blocks) * a.page_size;
+    RETURN_IF_ERROR(GridLimit((cap + split_tokens - 1) / split_tokens, "table.max_blocks * page_size / split tokens",
+                              "one block layer per split"));
     a.max_splits = static_cast<int>(std::max<int64_t>(1, (cap + split_tokens - 1) / split_tokens));
     a.split_tokens = split_tokens;
     const int64_t rows = static_cast<int64_t>(a.batch) * a.num_q_heads * a.max_splits;
