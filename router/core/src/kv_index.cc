@@ -236,13 +236,15 @@ bool KvIndex::RemoveHolder(Entry& e, SourceSlot slot, Tier tier) {
   return removed;
 }
 
-bool KvIndex::RemoveAllHolders(Entry& e, SourceSlot slot) {
-  bool removed = RemoveHolder(e, slot, Tier::kGpu);
+int KvIndex::RemoveAllHolders(Entry& e, SourceSlot slot) {
+  // Counted apart: a worker's GPU copy and its own host-tier copy of one hash are two
+  // (source, tier) pairs in entries_, as Store counted them.
+  int removed = RemoveHolder(e, slot, Tier::kGpu) ? 1 : 0;
   if (e.pool_slot == slot) {
     e.pool_slot = kNoSlot;
     e.pool_tiers = 0;
     FixPool(e);
-    return true;
+    return removed + 1;
   }
   if (e.spill != nullptr) {
     auto& pool = e.spill->pool;
@@ -250,7 +252,7 @@ bool KvIndex::RemoveAllHolders(Entry& e, SourceSlot slot) {
       if (it->slot == slot) {
         pool.erase(it);
         FixPool(e);
-        return true;
+        return removed + 1;
       }
     }
   }
@@ -273,8 +275,9 @@ void KvIndex::ClearSource(SourceSlot slot) {
   SourceState& s = Source(slot);
   if (s.entries == 0) return;
   map_.EraseIf([&](const BlockHash&, Entry& e) {
-    if (!RemoveAllHolders(e, slot)) return false;
-    --entries_;
+    const int removed = RemoveAllHolders(e, slot);
+    if (removed == 0) return false;
+    entries_ -= removed;
     return e.empty();
   });
   s.entries = 0;

@@ -39,9 +39,12 @@ uint64_t LoadTracker::AddDecision(SourceSlot slot, uint64_t prefill_tokens, absl
   return id;
 }
 
-bool LoadTracker::Complete(uint64_t decision_id) {
+bool LoadTracker::Complete(uint64_t decision_id, SourceSlot slot) {
   auto it = decisions_.find(decision_id);
   if (it == decisions_.end()) return false;
+  // Ids come back from workers, which got them from clients: one reported by another
+  // source is not this source's to release.
+  if (slot != kAnySlot && it->second.slot != slot) return false;
   PerSource& s = At(it->second.slot);
   --s.inflight;
   s.inflight_tokens -= it->second.tokens;

@@ -185,6 +185,13 @@ absl::Status RouterCore::ValidateEvent(const Source& s, const KvEvent& e, size_t
     return absl::InvalidArgumentError(absl::StrCat("events[", i, "].", what, ".block_hashes has ",
                                                    e.hashes.size(), " entries; send 1..", kMaxEventHashes));
   }
+  if (e.type == KvEvent::Type::kStored && !(e.parent == BlockHash{}) &&
+      std::find(e.hashes.begin(), e.hashes.end(), e.parent) != e.hashes.end()) {
+    // A chain that contains its own parent is a cycle: its entries would never be leaves,
+    // so pruning could not take them.
+    return absl::InvalidArgumentError(absl::StrCat("events[", i, "].stored.parent_hash is one of its own "
+                                                   "block_hashes; a chain cannot contain its parent"));
+  }
   if (s.info.kind == SourceKind::kPoolNode && e.tier == Tier::kGpu) {
     return absl::InvalidArgumentError(absl::StrCat("events[", i, "].", what,
                                                    ".tier=GPU from pool node \"", s.info.id,
@@ -226,7 +233,7 @@ HeartbeatResult RouterCore::Heartbeat(absl::string_view source_id, const Instanc
     return r;
   }
   load_.Heartbeat(it->second, load, now);
-  for (uint64_t id : completed) load_.Complete(id);
+  for (uint64_t id : completed) load_.Complete(id, it->second);
   r.full_dump_requested = index_.stale(it->second);
   return r;
 }
@@ -366,6 +373,12 @@ absl::StatusOr<RouteDecision> RouterCore::Route(const RouteInput& in, absl::Time
   ASSIGN_OR_RETURN(const Model* model, FindModel(in.model, in.block_tokens, "model"));
   if (in.hashes.empty() && in.prompt_tokens == 0) {
     return absl::InvalidArgumentError("tokens/block_hashes: the request is empty; send its tokens or block hashes");
+  }
+  if (in.prompt_tokens > kMaxPromptTokens) {
+    // Decisions add their prefill tokens to a worker's queued tokens: bounded, so the
+    // sums cannot wrap and make the busiest worker look idle.
+    return absl::InvalidArgumentError(absl::StrCat("prompt_tokens=", in.prompt_tokens, " exceeds ",
+                                                   kMaxPromptTokens, "; split the request"));
   }
   const uint64_t min_tokens = in.hashes.size() * model->block_tokens;
   if (in.prompt_tokens != 0 && in.prompt_tokens < min_tokens) {

@@ -324,5 +324,26 @@ TEST(KvIndexTest, LinearStateIsKeptApartFromKv) {
   EXPECT_EQ(d.events[0].kind, StateKind::kLinearState);
 }
 
+// A worker that holds a block on GPU and in its own host tier has two (hash, holder)
+// pairs; clearing the source removed one, so entries() drifted up with every full dump
+// or re-register until the index pruned live entries.
+TEST(KvIndexTest, ClearingASourceCountsEveryPairItHeld) {
+  KvIndex index(KvIndex::Options{.max_entries = 20});
+  std::vector<BlockHash> c = {H(1), H(2), H(3)};
+  for (int round = 0; round < 10; ++round) {
+    EventBatch b;
+    b.full_dump = true;
+    b.events.push_back(KvEvent::Stored(1, {}, c, Tier::kGpu));
+    b.events.push_back(KvEvent::Stored(2, {}, c, Tier::kDram));
+    index.ApplyBatch(0, b);
+    ASSERT_EQ(index.entries(), 6u) << round;
+    ASSERT_EQ(index.source_entries(0), 6u) << round;
+  }
+  EXPECT_EQ(index.pruned_entries(), 0u) << "live entries pruned though only 6 pairs exist";
+  index.ResetSource(0);
+  EXPECT_EQ(index.blocks(), 0u);
+  EXPECT_EQ(index.entries(), 0u);
+}
+
 }  // namespace
 }  // namespace kvpool::router

@@ -331,6 +331,36 @@ TEST_F(RouterCoreTest, DecisionsReleaseOnCompletionOrTimeout) {
   EXPECT_FALSE(core_->CompleteDecision(b.decision_id));
 }
 
+// Decision ids reach workers through clients: a heartbeat of one worker must not
+// release a decision made for another (its optimistic load guards against herding).
+TEST_F(RouterCoreTest, HeartbeatReleasesOnlyItsOwnDecisions) {
+  MakeDefault(PolicyKind::kLeastLoad);
+  Worker("w0");
+  Worker("w1");
+  RouteDecision d = Route(Hash(Tokens(32, 9)), kT0, "round_robin");
+  const std::string other = d.instance_id == "w0" ? "w1" : "w0";
+  ASSERT_EQ(core_->load().Inflight(d.slot), 1u);
+  const uint64_t ids[] = {d.decision_id};
+  core_->Heartbeat(other, {}, ids, kT0);
+  EXPECT_EQ(core_->load().Inflight(d.slot), 1u) << other << " released a decision made for " << d.instance_id;
+  core_->Heartbeat(d.instance_id, {}, ids, kT0);
+  EXPECT_EQ(core_->load().Inflight(d.slot), 0u);
+}
+
+// prompt_tokens is summed per worker: a huge one is refused rather than wrap the sum.
+TEST_F(RouterCoreTest, HugePromptIsRefusedNamingTheField) {
+  MakeDefault(PolicyKind::kTtft);
+  Worker("w0");
+  RouteInput in;
+  in.model = "llama-3.3-70b";
+  in.prompt_tokens = uint64_t{1} << 63;
+  auto d = core_->Route(in, kT0);
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(d.status().message()).find("prompt_tokens=9223372036854775808 exceeds"),
+            std::string::npos)
+      << d.status();
+}
+
 TEST_F(RouterCoreTest, GapInEventsRequestsDumpThroughHeartbeat) {
   MakeDefault(PolicyKind::kCacheAware);
   Worker("w0");
@@ -391,6 +421,10 @@ TEST_F(RouterCoreTest, BadInputIsRejectedNamingTheField) {
   EventBatch empty_event;
   empty_event.events.push_back(KvEvent::Removed(1, {}));
   EXPECT_NE(core_->ApplyEvents("w0", empty_event, kT0).status().message().find("events[0].removed.block_hashes"),
+            absl::string_view::npos);
+  EventBatch cycle;
+  cycle.events.push_back(KvEvent::Stored(1, h[1], {h[0], h[1]}));
+  EXPECT_NE(core_->ApplyEvents("w0", cycle, kT0).status().message().find("events[0].stored.parent_hash"),
             absl::string_view::npos);
   EXPECT_EQ(core_->Register(Info("bad id!", SourceKind::kWorker, "llama-3.3-70b"), kT0).code(),
             absl::StatusCode::kInvalidArgument);

@@ -93,6 +93,17 @@ TEST(ContiguousTest, ForkCopiesEveryUsedBlock) {
   EXPECT_EQ(m->Usage().used_blocks, 8);
 }
 
+// A repeated child id reserved twice and kept one reservation for good.
+TEST(ContiguousTest, ForkRefusesARepeatedChildAndChangesNothing) {
+  auto m = Make("contiguous", 17, 64);  // 16 usable: 4 reservations of 4
+  ASSERT_TRUE(m->AddRequest(Hashed(0, 10)).ok());
+  ASSERT_TRUE(m->AllocateSlots(0, 10).ok());
+  EXPECT_EQ(m->Fork(0, std::vector<RequestId>{7, 7}).status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(m->Usage().used_blocks, 4);
+  ASSERT_TRUE(m->Free(0).ok());
+  EXPECT_EQ(m->Usage().free_blocks, 16);
+}
+
 TEST(ContiguousTest, ConfigErrors) {
   CacheConfig c = PagedConfig(17, kB);
   EXPECT_THAT(std::string(ContiguousCacheManager::Create(c).status().message()),

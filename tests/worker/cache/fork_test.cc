@@ -105,6 +105,17 @@ TEST(ForkTest, ForkErrors) {
   EXPECT_EQ(m->block_pool().block(1).ref_cnt, 1);
 }
 
+// A count past the whole cache is refused before base + n or the block count could
+// overflow (they threw std::length_error from vector::reserve, ending the process).
+TEST(ForkTest, AllocateSlotsBeyondTheCacheIsRefused) {
+  auto m = MakeManager(PagedConfig(20, kB));
+  Prefill(*m, TokenRequest(0, Seq(0, 10)));
+  auto a = m->AllocateSlots(0, INT64_MAX - 5);
+  EXPECT_EQ(a.status().code(), absl::StatusCode::kResourceExhausted) << a.status();
+  EXPECT_THAT(std::string(a.status().message()), ::testing::HasSubstr("exceeds the whole cache"));
+  EXPECT_TRUE(m->AllocateSlots(0, 1).ok());  // the request is unharmed
+}
+
 TEST(ForkTest, CopyOnWriteRespectsExhaustion) {
   auto m = MakeManager(PagedConfig(3, kB));  // 2 usable
   Prefill(*m, TokenRequest(0, Seq(0, kB + 4)));

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "fork_check.h"
 #include "kvpool/common/status.h"
 
 namespace kvpool::cache {
@@ -159,12 +160,7 @@ absl::StatusOr<std::vector<CopyOp>> ContiguousCacheManager::Fork(
   if (it == requests_.end()) {
     return absl::NotFoundError(absl::StrCat("request ", parent, " is not known to the cache"));
   }
-  for (RequestId c : children) {
-    if (c == parent || requests_.contains(c)) {
-      return absl::AlreadyExistsError(
-          absl::StrCat("fork of request ", parent, ": child id ", c, " is already in use"));
-    }
-  }
+  RETURN_IF_ERROR(CheckForkChildren(parent, children, [&](RequestId c) { return requests_.contains(c); }));
   const Request proto = it->second;
   const bool reserved = !proto.blocks.empty();
   if (reserved && static_cast<int64_t>(children.size()) * reserve_blocks_ > free_blocks_) {

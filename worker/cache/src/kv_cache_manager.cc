@@ -5,6 +5,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "fork_check.h"
 #include "kvpool/common/status.h"
 
 namespace kvpool::cache {
@@ -238,6 +239,12 @@ absl::StatusOr<SlotAllocation> KvCacheManager::AllocateSlots(RequestId id,
     return absl::InvalidArgumentError(
         absl::StrCat("num_new_tokens=", num_new_tokens, " for request ", id, "; must be >= 0"));
   }
+  // Bounded before any arithmetic on it (base + n and the block count would overflow).
+  const int64_t capacity_tokens = int64_t{pool_.num_blocks()} * config_.layout.block_tokens;
+  if (num_new_tokens > capacity_tokens) {
+    return absl::ResourceExhaustedError(absl::StrCat("num_new_tokens=", num_new_tokens, " for request ", id,
+                                                     " exceeds the whole cache (", capacity_tokens, " tokens)"));
+  }
   const bool has_hit = hit != nullptr && (!hit->blocks.empty() || hit->checkpoint != kNoBlock);
   if (has_hit) {
     if (hit->request_id != id) {
@@ -344,14 +351,7 @@ absl::StatusOr<std::vector<CopyOp>> KvCacheManager::Fork(RequestId parent,
                                                          std::span<const RequestId> children) {
   const Request* p = Find(parent);
   if (p == nullptr) return UnknownRequest(parent);
-  absl::flat_hash_set<RequestId> seen;
-  for (RequestId c : children) {
-    if (c == parent || requests_.contains(c) || !seen.insert(c).second) {
-      return absl::AlreadyExistsError(absl::StrCat(
-          "fork of request ", parent, ": child id ", c,
-          " is already in use (or repeated); pick fresh ids"));
-    }
-  }
+  RETURN_IF_ERROR(CheckForkChildren(parent, children, [&](RequestId c) { return requests_.contains(c); }));
   const int32_t state_pages = config_.layout.state_pages;
   const bool copy_state = p->live_state != kNoBlock;
   const int64_t need = copy_state ? static_cast<int64_t>(children.size()) * state_pages : 0;

@@ -189,7 +189,7 @@ class KvIndex {
   // Adds/removes one holder of `e`; returns whether a (hash, holder) pair was added/removed.
   bool AddHolder(Entry& e, SourceSlot slot, Tier tier);
   bool RemoveHolder(Entry& e, SourceSlot slot, Tier tier);
-  bool RemoveAllHolders(Entry& e, SourceSlot slot);
+  int RemoveAllHolders(Entry& e, SourceSlot slot);  // (source, tier) pairs removed
   static void FixPool(Entry& e);  // refills pool_slot from the spill, recomputes all_pool_tiers
   static bool HasGpu(const Entry& e, SourceSlot slot);
   // Calls f(slot) for each GPU holder, then each DRAM/NVMe holder (f(slot, tiers)).

@@ -37,8 +37,10 @@ class LoadTracker {
   void Heartbeat(SourceSlot slot, const InstanceLoad& load, absl::Time now);
   // Records a decision for `slot` whose prefill computes `prefill_tokens`; returns its id (> 0).
   uint64_t AddDecision(SourceSlot slot, uint64_t prefill_tokens, absl::Time now);
-  // Releases a decision; false when unknown (already released or timed out).
-  bool Complete(uint64_t decision_id);
+  // Releases a decision made for `slot` (kAnySlot: whichever); false when unknown
+  // (already released or timed out) or made for another slot.
+  static constexpr SourceSlot kAnySlot = ~SourceSlot{0};
+  bool Complete(uint64_t decision_id, SourceSlot slot = kAnySlot);
   // Releases decisions older than decision_timeout; returns how many.
   size_t ExpireDecisions(absl::Time now);
 

@@ -87,6 +87,9 @@ struct SourceInfo {
   bool publishes_events = true;  // false: approximate mode
 };
 
+// Largest prompt a Route accepts (tokens): decisions sum their prefill tokens per worker.
+inline constexpr uint64_t kMaxPromptTokens = uint64_t{1} << 32;
+
 struct RouteInput {
   std::string model;
   uint32_t block_tokens = 0;        // 0 = the model's
