@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <future>
@@ -48,6 +49,49 @@ extern "C" ucs_status_ptr_t ucp_am_send_nbx(ucp_ep_h ep, unsigned id, const void
     return UCS_STATUS_PTR(UCS_ERR_NO_RESOURCE);
   }
   return real(ep, id, header, header_length, buffer, count, param);
+}
+
+// Makes the n-th rendezvous receive started from now (1-based; 0: none) fail: the bytes
+// are received, but its completion reports UCS_ERR_NO_MEMORY (or, when UCX completes it at
+// once, the call returns that error), as a receive that fails on the owner's side while
+// the initiator is alive. Counts those it failed.
+std::atomic<int> g_fail_recv{0};
+std::atomic<int> g_recv_failed{0};
+namespace {
+struct FailedRecv {
+  ucp_am_recv_data_nbx_callback_t cb;
+  void* user_data;
+};
+void FailRecvCb(void* request, ucs_status_t /*status*/, size_t length, void* user_data) {
+  auto* f = static_cast<FailedRecv*>(user_data);
+  const FailedRecv orig = *f;
+  delete f;
+  g_recv_failed.fetch_add(1);
+  orig.cb(request, UCS_ERR_NO_MEMORY, length, orig.user_data);
+}
+}  // namespace
+extern "C" ucs_status_ptr_t ucp_am_recv_data_nbx(ucp_worker_h worker, void* data_desc,
+                                                 void* buffer, size_t count,
+                                                 const ucp_request_param_t* param) {
+  using Fn = ucs_status_ptr_t (*)(ucp_worker_h, void*, void*, size_t, const ucp_request_param_t*);
+  static const Fn real = reinterpret_cast<Fn>(dlsym(RTLD_NEXT, "ucp_am_recv_data_nbx"));
+  if (g_fail_recv.load() <= 0 || g_fail_recv.fetch_sub(1) != 1 ||
+      !(param->op_attr_mask & UCP_OP_ATTR_FIELD_CALLBACK)) {
+    return real(worker, data_desc, buffer, count, param);
+  }
+  ucp_request_param_t p = *param;
+  auto* f = new FailedRecv{param->cb.recv_am, param->user_data};
+  p.cb.recv_am = &FailRecvCb;
+  p.user_data = f;
+  ucs_status_ptr_t r = real(worker, data_desc, buffer, count, &p);
+  if (r == nullptr || UCS_PTR_IS_ERR(r)) {
+    delete f;
+    if (r == nullptr) {
+      g_recv_failed.fetch_add(1);
+      return UCS_STATUS_PTR(UCS_ERR_NO_MEMORY);
+    }
+  }
+  return r;
 }
 
 namespace kvpool::transport {
@@ -594,6 +638,38 @@ TEST_P(TransportTest, MessageThatCannotBeSentIsNotAwaited) {
   EXPECT_TRUE(ep_->health().ok()) << ep_->health();
 }
 
+// The owner fails to receive a put (ucp_am_recv_data_nbx fails) while the initiator is
+// alive: it refuses the message with the error, so the initiator's batch fails at once
+// and the endpoint keeps serving (before, the owner did not answer: the batch waited for
+// the whole batch_timeout, failed with DEADLINE_EXCEEDED and its endpoint was closed).
+TEST_P(TransportTest, PutTheOwnerFailsToReceiveIsAnsweredAtOnce) {
+  if (ep_->protocol() != Protocol::kActiveMessage) GTEST_SKIP() << "AM only";
+  // The whole client arena (512 KiB) into contiguous owner pages: one large message,
+  // received by rendezvous.
+  std::vector<uint64_t> lp(kClientPages), rp(kClientPages * kClientPage / kOwnerPage);
+  std::iota(lp.begin(), lp.end(), 0);
+  std::iota(rp.begin(), rp.end(), 0);
+  FillPattern({client_mem_.data(), client_mem_.size()}, 31, 0);
+  const int failed_before = g_recv_failed.load();
+  g_fail_recv.store(1);
+  const absl::Time start = absl::Now();
+  absl::Status s = Await(ep_->Put({{Local(lp), Remote(rp)}}));
+  const absl::Duration took = absl::Now() - start;
+  const bool fired = g_fail_recv.exchange(0) <= 0 && g_recv_failed.load() > failed_before;
+  if (!fired) GTEST_SKIP() << "the put was not received by rendezvous here: " << s;
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;  // UCS_ERR_NO_MEMORY
+  EXPECT_LT(took, absl::Seconds(2));  // well before the 3 s deadline
+  EXPECT_TRUE(ep_->health().ok()) << ep_->health();
+  const absl::Time end = absl::Now() + absl::Seconds(10);
+  while (client_->stats().batches_in_flight != 0 && absl::Now() < end) absl::SleepFor(absl::Milliseconds(1));
+  EXPECT_EQ(client_->stats().batches_in_flight, 0u);
+  EXPECT_GE(owner_->stats().am_requests_refused, 1u);
+  // The endpoint still serves the same put.
+  std::memset(owner_arena_->base(), 0, owner_arena_->size());
+  ASSERT_TRUE(Await(ep_->Put({{Local(lp), Remote(rp)}})).ok());
+  EXPECT_EQ(FirstMismatch({owner_arena_->base(), client_mem_.size()}, 31, 0), -1);
+}
+
 TEST_P(TransportTest, ConcurrentBatchesFromManyThreads) {
   constexpr int kThreads = 4, kRounds = 20;
   std::vector<std::thread> threads;
@@ -701,6 +777,73 @@ INSTANTIATE_TEST_SUITE_P(
                       Mode{"ShmAm", "sm,self", Protocol::kActiveMessage, Protocol::kActiveMessage},
                       Mode{"TcpAuto", "tcp", Protocol::kAuto, Protocol::kActiveMessage}),
     [](const ::testing::TestParamInfo<Mode>& i) { return std::string(i.param.name); });
+
+// An arena imported again (same arena id, another descriptor) while a large RMA put to
+// the first import is in flight: that put still goes to the first import's memory with
+// its rkey, which stays alive until the put is done (before, the next batch destroyed
+// the replaced rkey under the put's UCX requests, and a batch validated before a
+// re-import could pair its offsets with the new base). Owner memory is registered, not
+// allocated, so UCX moves it with requests the owner answers (not an inline memcpy).
+class ReimportTest : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(ReimportTest, ReimportWhileAPutIsInFlightKeepsTheFirstImport) {
+  constexpr uint64_t kPage = 4096, kPages = 1024;  // 4 MiB
+  ContextOptions co;
+  co.ucx_config.push_back({"TLS", GetParam()});
+  WorkerOptions wo;
+  wo.protocol = Protocol::kRma;
+  auto oc = Context::Create(co);
+  ASSERT_TRUE(oc.ok()) << oc.status();
+  auto cc = Context::Create(co);
+  ASSERT_TRUE(cc.ok()) << cc.status();
+  auto owner = Worker::Create(*oc, wo);
+  ASSERT_TRUE(owner.ok()) << owner.status();
+  auto client = Worker::Create(*cc, wo);
+  ASSERT_TRUE(client.ok()) << client.status();
+  std::vector<std::byte> amem(kPages * kPage), bmem(kPages * kPage), cmem(kPages * kPage);
+  auto a = (*owner)->RegisterArena(amem, kPage);
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto b = (*owner)->RegisterArena(bmem, kPage);
+  ASSERT_TRUE(b.ok()) << b.status();
+  auto c = (*client)->RegisterArena(cmem, kPage);
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto ep = (*client)->Connect((*owner)->address(), "owner");
+  ASSERT_TRUE(ep.ok()) << ep.status();
+  ASSERT_EQ((*ep)->protocol(), Protocol::kRma);
+  const RemoteArena first = (*a)->descriptor();
+  RemoteArena second = (*b)->descriptor();
+  second.arena_id = first.arena_id;  // the same arena id, imported again elsewhere
+  std::vector<uint64_t> all(kPages);
+  std::iota(all.begin(), all.end(), 0);
+  FillPattern({cmem.data(), cmem.size()}, 41, 0);
+  for (int round = 0; round < 4; ++round) {
+    std::memset(amem.data(), 0, amem.size());
+    std::memset(bmem.data(), 0, bmem.size());
+    ASSERT_TRUE((*ep)->ImportArena(first).ok());
+    auto big = (*ep)->Put({{{(*c)->id(), all, 0}, {first.arena_id, all, 0}}});
+    const bool in_flight = (*client)->stats().batches_in_flight > 0;
+    // Re-imported while the put runs, then a batch on the new import (the old code
+    // destroyed the replaced rkey here) and another re-import.
+    ASSERT_TRUE((*ep)->ImportArena(second).ok());
+    auto small = (*ep)->Put({{{(*c)->id(), {3}, 0}, {first.arena_id, {7}, 0}}});
+    ASSERT_TRUE((*ep)->ImportArena(first).ok());
+    ASSERT_TRUE(Await(std::move(big)).ok()) << "round " << round;
+    ASSERT_TRUE(Await(std::move(small)).ok()) << "round " << round;
+    EXPECT_EQ(FirstMismatch({amem.data(), amem.size()}, 41, 0), -1) << "round " << round;
+    EXPECT_EQ(FirstMismatch({bmem.data() + 7 * kPage, kPage}, 41, 3 * kPage), -1) << "round " << round;
+    auto zero = [](std::byte x) { return x == std::byte{0}; };
+    EXPECT_TRUE(std::all_of(bmem.begin(), bmem.begin() + 7 * kPage, zero) &&
+                std::all_of(bmem.begin() + 8 * kPage, bmem.end(), zero))
+        << "round " << round;
+    if (round == 0) std::printf("first put in flight at the re-import: %d\n", in_flight ? 1 : 0);
+  }
+  ep->reset();
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, ReimportTest, ::testing::Values("tcp", "sm,self"),
+                         [](const ::testing::TestParamInfo<const char*>& i) {
+                           return std::string(i.param[0] == 't' ? "Tcp" : "Shm");
+                         });
 
 // With UCX's default (every transport enabled), two workers on one host talk over shared
 // memory, not tcp loopback (PEER error handling would restrict UCX to tcp).

@@ -149,16 +149,40 @@ void WorkerImpl::OwnerOpDone(bool ok) {
   ++(ok ? stats_.am_requests_served : stats_.am_requests_refused);
 }
 
+namespace {
+// Statuses with which UCX fails a request because its endpoint failed or is being torn
+// down: the reply endpoint may be gone (UCX releases a failed endpoint it created for a
+// peer), and the initiator learns of the failure from its own endpoint.
+bool EndpointFailed(ucs_status_t status) {
+  switch (status) {
+    case UCS_ERR_CONNECTION_RESET:
+    case UCS_ERR_ENDPOINT_TIMEOUT:
+    case UCS_ERR_CANCELED:
+    case UCS_ERR_UNREACHABLE:
+    case UCS_ERR_NOT_CONNECTED:
+    case UCS_ERR_REJECTED:
+    case UCS_ERR_IO_ERROR:  // what some transports report for a lost peer
+      return true;
+    default:
+      return false;
+  }
+}
+}  // namespace
+
 void WorkerImpl::OwnerPutReceived(OwnerOp* op, ucs_status_t status) {
   std::unique_ptr<OwnerOp> owned(op);
-  if (status != UCS_OK) {
-    // The initiator is most likely gone: its endpoint fails the batch; do not reply.
+  if (status != UCS_OK && EndpointFailed(status)) {
+    // The initiator is gone (or its endpoint is): its endpoint fails the batch; a reply
+    // could not be delivered and reply_ep may no longer be valid.
     OwnerOpDone(false);
     return;
   }
   --owner_inflight_;  // the receive; the ack counts on its own
+  // Any other failure (no memory, a bad buffer, ...) leaves a live initiator waiting for
+  // this ack: refuse the message rather than let its batch run into the deadline and its
+  // endpoint be closed.
   SendOwnerReply(op->reply_ep, kAmPutAck, op->header.batch_id, op->header.part,
-                 absl::OkStatus(), {}, {});
+                 FromUcs(status, "owner receiving the put"), {}, {});
 }
 
 ucs_status_t WorkerImpl::OnAm(unsigned id, const void* header, size_t header_len, void* data,

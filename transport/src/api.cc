@@ -76,7 +76,14 @@ absl::Status WorkerImpl::Submit(const std::shared_ptr<EndpointImpl>& ep, Directi
     uint64_t lbytes = 0, rbytes = 0;
     RETURN_IF_ERROR(RunExtents(local->page_bytes(), local->num_pages(), op.local, "local", i,
                                &lx, &lbytes));
-    {
+    // The batch keeps the import it is validated against, one per remote arena (all its
+    // ops see the same one): StartRma pairs these offsets with that import's base and
+    // rkey even if the arena is imported again before (or while) the batch runs.
+    std::shared_ptr<RemoteKey> key;
+    for (const auto& k : b->remote) {
+      if (k->desc.arena_id == op.remote.arena_id) key = k;
+    }
+    if (!key) {
       absl::MutexLock l(&ep->mu_);
       auto it = ep->imported_.find(op.remote.arena_id);
       if (it == ep->imported_.end()) {
@@ -84,9 +91,11 @@ absl::Status WorkerImpl::Submit(const std::shared_ptr<EndpointImpl>& ep, Directi
             absl::StrCat("ops[", i, "].remote: arena ", op.remote.arena_id,
                          " was not imported on this endpoint; call Endpoint::ImportArena"));
       }
-      RETURN_IF_ERROR(RunExtents(it->second.desc.page_bytes, it->second.desc.num_pages(),
-                                 op.remote, "remote", i, &rx, &rbytes));
+      key = it->second;
+      b->remote.push_back(key);
     }
+    RETURN_IF_ERROR(RunExtents(key->desc.page_bytes, key->desc.num_pages(), op.remote,
+                               "remote", i, &rx, &rbytes));
     if (lbytes != rbytes) {
       return absl::InvalidArgumentError(absl::StrCat("ops[", i, "]: local run has ", lbytes,
                                                      " bytes but remote run has ", rbytes,
@@ -187,12 +196,14 @@ absl::Status Endpoint::ImportArena(const RemoteArena& remote) {
     return absl::InvalidArgumentError(
         "remote arena descriptor is incomplete; pass RemoteArena::Parse() of the owner's bytes");
   }
+  auto key = std::make_shared<RemoteKey>(remote);
   {
     absl::MutexLock l(&impl_->mu_);
     auto& slot = impl_->imported_[remote.arena_id];
-    if (slot.rkey != nullptr) impl_->stale_rkeys_.push_back(slot.rkey);
-    slot.rkey = nullptr;
-    slot.desc = remote;
+    // Batches validated against the previous import may still be using its rkey: it is
+    // retired, not destroyed (see WorkerImpl::SweepRkeys).
+    if (slot != nullptr) impl_->stale_keys_.push_back(std::move(slot));
+    slot = key;
   }
   // Shared memory: unpack now rather than in the first batch, which maps the arena and
   // fills its page tables once (see RkeyFor). A failure here is reported by the first
@@ -201,8 +212,7 @@ absl::Status Endpoint::ImportArena(const RemoteArena& remote) {
   if (!impl_->shm_lanes_) return absl::OkStatus();
   if (auto w = impl_->worker_.lock()) {
     w->RunSync([&]() -> absl::Status {
-       uint64_t base = 0;
-       w->RkeyFor(*impl_, remote.arena_id, &base);
+       w->RkeyFor(*impl_, *key);
        return absl::OkStatus();
      }).IgnoreError();
   }

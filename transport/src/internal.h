@@ -82,6 +82,25 @@ class EndpointImpl;
 class WorkerImpl;
 struct OwnerOp;
 
+// One import of a remote arena: its descriptor and, once unpacked, its rkey. A re-import
+// (ImportArena again for the same arena id) makes a new RemoteKey; batches keep the one
+// they were validated against, so their offsets always go with that import's base and
+// rkey, and the rkey lives as long as any batch (hence any UCX request) still uses it.
+// The last reference is dropped under WorkerImpl::ucx_mu_ only (see WorkerImpl::retired_
+// and SweepRkeys): ucp_rkey_destroy is a call on the worker.
+struct RemoteKey {
+  explicit RemoteKey(RemoteArena d) : desc(std::move(d)) {}
+  ~RemoteKey() { Destroy(); }
+  RemoteKey(const RemoteKey&) = delete;
+  RemoteKey& operator=(const RemoteKey&) = delete;
+  void Destroy() {  // under ucx_mu_, before the worker is destroyed
+    if (rkey != nullptr) ucp_rkey_destroy(rkey);
+    rkey = nullptr;
+  }
+  const RemoteArena desc;     // immutable
+  ucp_rkey_h rkey = nullptr;  // under the worker's ucx_mu_ (unpacked at import or first use)
+};
+
 // A batch in flight. Owned by WorkerImpl::batches_; touched only on the progress thread.
 struct Batch {
   WorkerImpl* worker = nullptr;
@@ -92,6 +111,8 @@ struct Batch {
   ByteObserver observe;  // optional
   std::vector<std::shared_ptr<Arena>> hold;  // local arenas stay registered meanwhile
   std::vector<Segment> segs;
+  // The imports the segments were validated against (by arena id; usually one).
+  std::vector<std::shared_ptr<RemoteKey>> remote;
   uint64_t bytes = 0;
   absl::Time deadline;
   // Operations (UCX requests + expected AM replies) not yet completed. The batch is
@@ -112,11 +133,6 @@ struct Batch {
   // AM: per-message local iovs and headers (alive until the message completes).
   std::vector<std::vector<ucp_dt_iov_t>> iovs;
   std::vector<std::string> headers;
-};
-
-struct ImportedArena {
-  RemoteArena desc;
-  ucp_rkey_h rkey = nullptr;  // under the worker's ucx_mu_ (unpacked at import or first use)
 };
 
 class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
@@ -154,10 +170,12 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
 
   mutable absl::Mutex mu_;
   absl::Status health_ ABSL_GUARDED_BY(mu_);
-  // Descriptors for validation (any thread) and rkeys (progress thread, under mu_).
-  absl::flat_hash_map<uint32_t, ImportedArena> imported_ ABSL_GUARDED_BY(mu_);
-  // Rkeys replaced by a re-import, destroyed on the progress thread.
-  std::vector<ucp_rkey_h> stale_rkeys_ ABSL_GUARDED_BY(mu_);
+  // The current import of each remote arena: descriptors for validation (any thread)
+  // and rkeys (unpacked under the worker's ucx_mu_). Never null.
+  absl::flat_hash_map<uint32_t, std::shared_ptr<RemoteKey>> imported_ ABSL_GUARDED_BY(mu_);
+  // Imports replaced by a re-import; moved to WorkerImpl::retired_ under ucx_mu_ (batches
+  // may still use their rkeys).
+  std::vector<std::shared_ptr<RemoteKey>> stale_keys_ ABSL_GUARDED_BY(mu_);
 };
 
 class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
@@ -190,8 +208,9 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   void OwnerPutReceived(OwnerOp* op, ucs_status_t status);
   std::shared_ptr<Arena> FindArena(uint32_t id);
   void OnEpError(EndpointImpl* ep, ucs_status_t status);
-  // The unpacked rkey of an imported arena (unpacked on first use); holds ucx_mu_.
-  ucp_rkey_h RkeyFor(EndpointImpl& ep, uint32_t arena_id, uint64_t* base);
+  // The unpacked rkey of an import (unpacked on first use; null when it cannot be);
+  // holds ucx_mu_.
+  ucp_rkey_h RkeyFor(EndpointImpl& ep, RemoteKey& key);
   ucs_status_t OnAm(unsigned id, const void* header, size_t header_len, void* data,
                     size_t len, const ucp_am_recv_param_t* param);
 
@@ -241,6 +260,8 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   void FailEndpointBatches(EndpointImpl* ep, const absl::Status& s);
   void CheckDeadlines();
   void ReapClosedEndpoints();
+  // Destroys retired_ rkeys no batch holds any more; under ucx_mu_.
+  void SweepRkeys();
   absl::Status ResolveOwnerSegments(const WireSeg* segs, uint32_t n, uint64_t total,
                                     std::vector<ucp_dt_iov_t>* iov,
                                     std::vector<std::shared_ptr<Arena>>* hold);
@@ -268,6 +289,10 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   void CloseUcpEp(const std::shared_ptr<EndpointImpl>& ep);
   std::vector<std::shared_ptr<EndpointImpl>> to_close_;
   int owner_inflight_ = 0;  // owner-side AM receives/sends not yet complete
+  // Imports replaced by a re-import or of closed endpoints, under ucx_mu_ (like every
+  // rkey). Only batches can hold another reference to them, and batches are freed under
+  // ucx_mu_ too: one whose use_count() is 1 is unused and is destroyed by SweepRkeys.
+  std::vector<std::shared_ptr<RemoteKey>> retired_;
   uint32_t next_arena_id_ ABSL_GUARDED_BY(mu_) = 1;
   absl::Time last_deadline_check_ = absl::InfinitePast();
 };

@@ -29,6 +29,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <future>
+#include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -240,6 +241,14 @@ void WorkerImpl::Shutdown() {
   absl::MutexLock l(&ucx_mu_);
   closed_ = true;
   if (worker_ != nullptr) {
+    // Rkeys are the worker's: destroy those still held (by batches UCX never let go of,
+    // see the drain in Loop) now, before it. Every endpoint was reaped by the drain, so
+    // the rest are in retired_.
+    for (auto& k : retired_) k->Destroy();
+    for (auto& [id, b] : batches_) {
+      for (auto& k : b->remote) k->Destroy();
+    }
+    retired_.clear();
     ucp_worker_destroy(worker_);
     worker_ = nullptr;
   }
@@ -268,6 +277,7 @@ bool WorkerImpl::ProgressFromCaller() {
     while (ucp_worker_progress(worker_) != 0) progressed = true;
     ReapClosedEndpoints();
     if (!batches_.empty()) CheckDeadlines();
+    if (!retired_.empty()) SweepRkeys();
     ready.swap(ready_);  // taken here rather than under a second lock in RunCallbacks
   }
   external_progress_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed);
@@ -365,6 +375,7 @@ void WorkerImpl::Loop() {
     while (ucp_worker_progress(worker_) != 0) progressed = true;
     ReapClosedEndpoints();
     if (!batches_.empty()) CheckDeadlines();
+    if (!retired_.empty()) SweepRkeys();
     inflight = !batches_.empty() || owner_inflight_ > 0;
     busy = inflight || !closing_reqs_.empty();
     was_inflight = busy;
@@ -637,13 +648,16 @@ void WorkerImpl::ReapClosedEndpoints() {
     for (auto& ep : eps) {
       if (ep->ep_ == nullptr) continue;
       {
+        // The endpoint's rkeys go before it, but batches may still hold them (requests
+        // UCX completes during the close): retire them, and keep the descriptors in
+        // fresh imports (never unpacked: ep_ is null from here on).
         absl::MutexLock l(&ep->mu_);
-        for (auto& [id, imp] : ep->imported_) {
-          if (imp.rkey != nullptr) ucp_rkey_destroy(imp.rkey);
-          imp.rkey = nullptr;
+        for (auto& [id, key] : ep->imported_) {
+          auto fresh = std::make_shared<RemoteKey>(key->desc);
+          retired_.push_back(std::exchange(key, std::move(fresh)));
         }
-        for (ucp_rkey_h r : ep->stale_rkeys_) ucp_rkey_destroy(r);
-        ep->stale_rkeys_.clear();
+        for (auto& key : ep->stale_keys_) retired_.push_back(std::move(key));
+        ep->stale_keys_.clear();
       }
       CloseUcpEp(ep);
       std::erase(endpoints_, ep);
@@ -687,27 +701,36 @@ void WorkerImpl::CloseUcpEp(const std::shared_ptr<EndpointImpl>& ep) {
   }
 }
 
-ucp_rkey_h WorkerImpl::RkeyFor(EndpointImpl& ep, uint32_t arena_id, uint64_t* base) {
-  absl::MutexLock l(&ep.mu_);
-  for (ucp_rkey_h r : ep.stale_rkeys_) ucp_rkey_destroy(r);
-  ep.stale_rkeys_.clear();
-  auto it = ep.imported_.find(arena_id);
-  if (it == ep.imported_.end() || ep.ep_ == nullptr) return nullptr;
-  if (it->second.rkey == nullptr) {
-    if (ucp_ep_rkey_unpack(ep.ep_, it->second.desc.rkey.data(), &it->second.rkey) != UCS_OK) {
-      it->second.rkey = nullptr;
+ucp_rkey_h WorkerImpl::RkeyFor(EndpointImpl& ep, RemoteKey& key) {
+  {
+    // Imports replaced since: destroyed by SweepRkeys once no batch holds them (a batch
+    // of the previous import may still have RMA requests on its rkey).
+    absl::MutexLock l(&ep.mu_);
+    for (auto& k : ep.stale_keys_) retired_.push_back(std::move(k));
+    ep.stale_keys_.clear();
+  }
+  SweepRkeys();
+  if (ep.ep_ == nullptr) return nullptr;
+  if (key.rkey == nullptr) {
+    if (ucp_ep_rkey_unpack(ep.ep_, key.desc.rkey.data(), &key.rkey) != UCS_OK) {
+      key.rkey = nullptr;
       return nullptr;
     }
     // A same-host arena UCX mapped into this process: fill its page tables once, here,
     // rather than one fault per 4 KiB page inside the first copies.
     void* mapped = nullptr;
-    if (ucp_rkey_ptr(it->second.rkey, it->second.desc.base, &mapped) == UCS_OK &&
-        mapped != nullptr) {
-      Populate(static_cast<std::byte*>(mapped), it->second.desc.size, /*fresh=*/false);
+    if (ucp_rkey_ptr(key.rkey, key.desc.base, &mapped) == UCS_OK && mapped != nullptr) {
+      Populate(static_cast<std::byte*>(mapped), key.desc.size, /*fresh=*/false);
     }
   }
-  *base = it->second.desc.base;
-  return it->second.rkey;
+  return key.rkey;
+}
+
+void WorkerImpl::SweepRkeys() {
+  // use_count() == 1: only this list holds it, and nothing can take a new reference (a
+  // retired import is in no endpoint's imported_); batches drop theirs under ucx_mu_
+  // (MaybeFree) or never used the rkey (refused in Submit).
+  std::erase_if(retired_, [](const std::shared_ptr<RemoteKey>& k) { return k.use_count() == 1; });
 }
 
 // ---------------------------------------------------------------------------------------
@@ -755,7 +778,14 @@ void WorkerImpl::StartRma(Batch& b) {
   uint64_t rbase = 0;
   for (Segment& s : b.segs) {
     if (rkey == nullptr || s.remote_arena != cached_id) {
-      rkey = RkeyFor(*b.ep, s.remote_arena, &rbase);
+      // The import the segments were validated against (Submit), not the endpoint's
+      // current one: a re-import since must not pair these offsets with another base.
+      RemoteKey* key = nullptr;
+      for (const auto& k : b.remote) {
+        if (k->desc.arena_id == s.remote_arena) key = k.get();
+      }
+      rkey = key != nullptr ? RkeyFor(*b.ep, *key) : nullptr;
+      rbase = key != nullptr ? key->desc.base : 0;
       cached_id = s.remote_arena;
       if (rkey == nullptr) {
         Finish(b, absl::FailedPreconditionError(absl::StrCat(
