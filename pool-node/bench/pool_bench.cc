@@ -14,7 +14,7 @@
 // the best of each is kept (every round is printed).
 //
 // Usage: pool_bench [--json] [--dir /tmp] [--mib 512] [--skip-tcp] [--skip-fio]
-//                   [--put-pipeline-mib 8] [--lookup-only [--node host:port]]
+//                   [--put-pipeline-mib 8] [--no-stream-copy] [--lookup-only [--node host:port]]
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -32,6 +32,7 @@
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_format.h"
 #include "kvpool/common/service_main.h"
+#include "kvpool/common/stream_copy.h"
 #include "kvpool/pool_node/client.h"
 #include "kvpool/pool_node/node_server.h"
 #include "kvpool/transport/transport.h"
@@ -88,6 +89,7 @@ struct Node {
 
 uint64_t g_put_pipeline_bytes = PoolClientOptions{}.put_pipeline_bytes;
 std::string g_node_address;  // --node: an external kvpool-node (Lookup latency only)
+bool g_stream_copy = true;    // --no-stream-copy: the client's transport copies with memcpy
 
 Node StartNode(uint64_t dram, const std::string& nvme_dir, uint64_t nvme, uint64_t client_bytes) {
   Node n;
@@ -108,7 +110,9 @@ Node StartNode(uint64_t dram, const std::string& nvme_dir, uint64_t nvme, uint64
     n.server = std::move(*s);
   }
   auto ctx = transport::Context::Create();
-  auto w = transport::Worker::Create(*ctx);
+  transport::WorkerOptions wo;
+  if (!g_stream_copy) wo.stream_copy_min_bytes = UINT64_MAX;
+  auto w = transport::Worker::Create(*ctx, wo);
   n.worker = std::move(*w);
   n.arena = *n.worker->AllocateArena(client_bytes, kPage);
   std::memset(n.arena->base(), 0x3c, client_bytes);
@@ -184,7 +188,9 @@ PathResult NodePath(Node& n, uint64_t objects, uint64_t round) {
 }
 
 // memcpy of the same bytes between the two arenas, object by object, spread like NodePath.
-double Memcpy(Node& n, uint64_t objects) {
+// `stream`: kvpool::StreamCopy (non-temporal stores, no read of the destination lines),
+// the copy the transport uses for large shared-memory batches; else glibc's memcpy.
+double Memcpy(Node& n, uint64_t objects, bool stream = false) {
   std::byte* dst = n.server->core().arena_base();
   const uint64_t dst_objects = n.server->core().arena_bytes() / kObject;
   const uint64_t src_objects = n.arena->size() / kObject;
@@ -192,8 +198,15 @@ double Memcpy(Node& n, uint64_t objects) {
   ++rep;
   const auto t0 = Clock::now();
   for (uint64_t i = 0; i < objects; ++i) {
-    std::memcpy(dst + ((i * 7 + rep) % dst_objects) * kObject, n.arena->base() + (i % src_objects) * kObject, kObject);
+    std::byte* d = dst + ((i * 7 + rep) % dst_objects) * kObject;
+    const std::byte* src = n.arena->base() + (i % src_objects) * kObject;
+    if (stream) {
+      kvpool::StreamCopy(d, src, kObject);
+    } else {
+      std::memcpy(d, src, kObject);
+    }
   }
+  if (stream) kvpool::StreamFence();
   return 1.0 * objects * kObject / Seconds(t0, Clock::now()) / 1e9;
 }
 
@@ -418,10 +431,14 @@ int main(int argc, char** argv) {
   app.add_flag("--skip-fio", skip_fio, "skip the NVMe comparison");
   app.add_option("--node", g_node_address, "external kvpool-node host:port (with --lookup-only)");
   app.add_flag("--lookup-only", lookup_only, "only the Lookup latency section (e.g. under perf)");
+  bool no_stream = false;
+  app.add_flag("--no-stream-copy", no_stream,
+               "client transport copies with memcpy, not streaming stores (A/B; WorkerOptions::stream_copy_min_bytes)");
   uint64_t pipeline_mib = g_put_pipeline_bytes >> 20;
   app.add_option("--put-pipeline-mib", pipeline_mib, "PoolClientOptions::put_pipeline_bytes, MiB");
   CLI11_PARSE(app, argc, argv);
   g_put_pipeline_bytes = pipeline_mib << 20;
+  g_stream_copy = !no_stream;
   if (!g_node_address.empty() && !lookup_only) {
     std::cerr << "--node measures only Lookup latency; add --lookup-only\n";
     return 2;
@@ -440,32 +457,39 @@ int main(int argc, char** argv) {
   {
     Node n = StartNode(dram, "", 0, client);
     // Interleaved, so that both see the same machine load; best of kRounds each.
-    double put = 0, get = 0, mc = 0, mx = 0;
+    double put = 0, get = 0, mc = 0, mx = 0, ms = 0;
     nlohmann::json rounds = nlohmann::json::array();
     for (int r = 0; r < kRounds; ++r) {
       const PathResult p = NodePath(n, mib, 1 + r);
       const double m = Memcpy(n, mib);
       const double x = MemcpyXxh3(n, mib);
+      const double st = Memcpy(n, mib, /*stream=*/true);
       rounds.push_back({{"put_GBps", p.put_GBps}, {"get_GBps", p.get_GBps}, {"memcpy_GBps", m},
-                        {"memcpy_xxh3_GBps", x}, {"put_cpus", p.put_cpus}, {"get_cpus", p.get_cpus},
-                        {"load1", LoadAverage()}});
+                        {"memcpy_xxh3_GBps", x}, {"memcpy_stream_GBps", st}, {"put_cpus", p.put_cpus},
+                        {"get_cpus", p.get_cpus}, {"load1", LoadAverage()}});
       put = std::max(put, p.put_GBps);
       get = std::max(get, p.get_GBps);
       mc = std::max(mc, m);
       mx = std::max(mx, x);
+      ms = std::max(ms, st);
     }
     out["shm"] = {{"object_bytes", kObject}, {"objects", mib}, {"objects_per_call", kBatch},
                   {"put_pipeline_bytes", g_put_pipeline_bytes},
                   {"put_GBps", put}, {"get_GBps", get}, {"memcpy_GBps", mc},
                   {"put_vs_memcpy", put / mc}, {"get_vs_memcpy", get / mc},
                   {"memcpy_xxh3_GBps", mx}, {"put_vs_memcpy_xxh3", put / mx},
-                  {"get_vs_memcpy_xxh3", get / mx}, {"rounds", rounds},
+                  {"get_vs_memcpy_xxh3", get / mx}, {"memcpy_stream_GBps", ms},
+                  {"put_vs_memcpy_stream", put / ms}, {"get_vs_memcpy_stream", get / ms},
+                  {"rounds", rounds},
                   {"method", "whole node path per call of objects_per_call objects: put = Reserve + "
                              "copy with XXH3 + Commit (node verifies XXH3), pipelined in put_pipeline_bytes pieces; "
                              "get = Lookup + copy with XXH3 check + async Release. Baseline: memcpy of the "
                              "same bytes between the same arenas, same process, interleaved with the "
                              "rounds; best of each. memcpy_xxh3: the same copy with XXH3 fused per 16 KiB "
                              "(the client thread's share of the work; the node's verification is extra). "
+                             "memcpy_stream: the same copy with non-temporal stores (kvpool::StreamCopy, "
+                             "what the transport uses for shared-memory batches >= 4 MiB), the fastest copy "
+                             "here. "
                              "put_cpus/get_cpus: CPUs the process kept busy; load1: uptime's 1-min load"},
                   {"ucx_transports", "UCX_TLS as set in the environment (default: all; sm/cma on one host)"}};
     out["shm"]["breakdown"] = Breakdown(n, mib);

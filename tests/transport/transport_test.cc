@@ -122,6 +122,10 @@ class TransportTest : public ::testing::TestWithParam<Mode> {
     WorkerOptions wo;
     wo.protocol = GetParam().protocol;
     wo.batch_timeout = absl::Seconds(3);
+    // Shared-memory batches of two client pages or more are copied with streaming stores
+    // (a get's observer then reads a bounce piece), smaller ones with memcpy: the suite
+    // runs both copy paths.
+    wo.stream_copy_min_bytes = 2 * kClientPage;
     auto oc = Context::Create(co);
     ASSERT_TRUE(oc.ok()) << oc.status();
     auto cc = Context::Create(co);

@@ -217,6 +217,10 @@ struct WorkerOptions {
   // 20 ms pass without an event) and for this long after the last event, then sleeps in
   // epoll. 0: no polling, always sleep between events.
   absl::Duration spin = absl::Microseconds(200);
+  // Shared-memory batches of at least this many bytes are copied with streaming
+  // (non-temporal) stores: faster into memory beyond the caches, slower into cached
+  // memory (kvpool/common/stream_copy.h). 0: always; UINT64_MAX: never.
+  uint64_t stream_copy_min_bytes = 4 << 20;
 };
 
 struct WorkerStats {
