@@ -4,7 +4,8 @@
 //   put/get 1 MiB objects through the whole node path (Reserve/Lookup RPC + UCX + Commit/
 //     Release) over shared memory   vs  memcpy of the same bytes spread over the arenas,
 //                                       and that memcpy with XXH3 fused (the client's floor)
-//   the same over TCP loopback      vs  ucx_perftest -t ucp_am_bw (UCX_TLS=tcp)
+//   the same over TCP loopback      vs  ucx_perftest -t ucp_am_bw -e (UCX_TLS=tcp; PEER-mode
+//                                       endpoints like the node's; mode NONE reported beside)
 //   NVMe tier write (demotion) and read (promotion + checksum)
 //                                   vs  fio, O_DIRECT, io_uring, QD 32, same dir and bs
 //   Lookup of 128 hashes over loopback gRPC: p50 / p99, next to an empty RPC's p50
@@ -187,6 +188,7 @@ PathResult NodePath(Node& n, uint64_t objects, uint64_t round) {
           (cpu1 - cpu0) / Seconds(t0, t1), (cpu2 - cpu1) / Seconds(t1, t2)};
 }
 
+
 // memcpy of the same bytes between the two arenas, object by object, spread like NodePath.
 // `stream`: kvpool::StreamCopy (non-temporal stores, no read of the destination lines),
 // the copy the transport uses for large shared-memory batches; else glibc's memcpy.
@@ -238,13 +240,16 @@ double MemcpyXxh3(Node& n, uint64_t objects) {
   return gbps + (sink == 42 ? 1e-12 : 0);
 }
 
-double UcxPerftestAmBw(int port) {
+// `peer_mode`: endpoints with error handling (`-e`), as the transport's tcp endpoints run
+// (UCP_ERR_HANDLING_MODE_PEER, so that a dead peer fails its batches).
+double UcxPerftestAmBw(int port, bool peer_mode) {
   const std::string env = "UCX_TLS=tcp UCX_NET_DEVICES=lo ";
   const std::string server = env + "ucx_perftest -p " + std::to_string(port) + " >/dev/null 2>&1 &";
   std::system(server.c_str());
   usleep(700000);
   const std::string out = Run(env + "ucx_perftest 127.0.0.1 -p " + std::to_string(port) +
-                              " -t ucp_am_bw -s 1048576 -n 2000 -w 100 2>&1");
+                              " -t ucp_am_bw -s 1048576 -n 2000 -w 100" +
+                              (peer_mode ? " -e" : "") + " 2>&1");
   // "Final:  iters  typ-lat avg-lat overh  bw-typ  bw-avg(MB/s) msgrate..."
   std::smatch m;
   std::regex final_re(R"(Final:\s+\S+\s+\S+\s+\S+\s+\S+\s+\S+\s+(\S+)\s+(\S+))");
@@ -538,11 +543,20 @@ int main(int argc, char** argv) {
       get = std::max(get, p.get_GBps);
     }
     out["tcp_breakdown"] = Breakdown(n, objs);
-    double am = 0;
-    for (int r = 0; r < 2; ++r) am = std::max(am, UcxPerftestAmBw(13337 + getpid() % 1000 + r));
+    // Like for like: perftest with PEER-mode endpoints (-e), as the node's tcp endpoints
+    // are; in UCX 1.13 that mode has no zero-copy rendezvous lanes over tcp, so perftest
+    // without error handling (mode NONE) is faster and is reported beside it.
+    double am = 0, am_none = 0;
+    for (int r = 0; r < 2; ++r) {
+      am = std::max(am, UcxPerftestAmBw(13337 + getpid() % 1000 + 2 * r, true));
+      am_none = std::max(am_none, UcxPerftestAmBw(13338 + getpid() % 1000 + 2 * r, false));
+    }
     out["tcp"] = {{"objects", objs}, {"objects_per_call", kBatch}, {"put_GBps", put}, {"get_GBps", get},
-                  {"ucx_perftest_am_bw_GBps", am},
-                  {"put_vs_perftest", am > 0 ? put / am : 0}, {"get_vs_perftest", am > 0 ? get / am : 0}};
+                  {"ucx_perftest_am_bw_GBps", am}, {"ucx_perftest_baseline", "ucp_am_bw -s 1048576 -e"},
+                  {"put_vs_perftest", am > 0 ? put / am : 0}, {"get_vs_perftest", am > 0 ? get / am : 0},
+                  {"ucx_perftest_am_bw_mode_none_GBps", am_none},
+                  {"put_vs_perftest_mode_none", am_none > 0 ? put / am_none : 0},
+                  {"get_vs_perftest_mode_none", am_none > 0 ? get / am_none : 0}};
   }
   std::filesystem::remove_all(nvme_dir);
   if (json) {
