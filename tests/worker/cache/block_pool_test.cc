@@ -98,6 +98,35 @@ TEST(BlockPoolTest, DuplicateHashStaysCachedUntilLastCopyGoes) {
   EXPECT_EQ(sink.events()[1].type, KvEvent::Type::kRemoved);
 }
 
+// The removed event names the page that held the last copy: a write-back tier copies
+// the bytes from there (the first copy's page may hold another block by then).
+TEST(BlockPoolTest, RemovedEventNamesThePageOfTheLastCopy) {
+  for (bool first_copy_goes_first : {true, false}) {
+    RecordingEventSink sink;
+    BlockPool pool({.num_blocks = 4, .event_sink = &sink});
+    const BlockId a = pool.GetNewBlock(), b = pool.GetNewBlock(), c = pool.GetNewBlock();
+    pool.CacheFullBlocks(std::vector<BlockId>{a}, std::vector<BlockHash>{H(5)}, std::nullopt);
+    pool.CacheFullBlocks(std::vector<BlockId>{b}, std::vector<BlockHash>{H(5)}, std::nullopt);
+    pool.CacheFullBlocks(std::vector<BlockId>{c}, std::vector<BlockHash>{H(6)}, H(5));
+    const BlockId goes_first = first_copy_goes_first ? a : b, goes_last = first_copy_goes_first ? b : a;
+    pool.FreeBlock(goes_first);
+    pool.FreeBlock(goes_last);
+    pool.FreeBlock(c);
+    EXPECT_EQ(pool.GetNewBlock(), goes_first);
+    pool.FlushEvents();
+    EXPECT_EQ(sink.events().size(), 2u) << "no event while a copy remains";
+    EXPECT_EQ(pool.GetNewBlock(), goes_last);
+    EXPECT_EQ(pool.GetNewBlock(), c);
+    pool.FlushEvents();
+    ASSERT_EQ(sink.events().size(), 3u);
+    const KvEvent& e = sink.events()[2];
+    EXPECT_EQ(e.type, KvEvent::Type::kRemoved);
+    EXPECT_THAT(e.hashes, ElementsAre(H(5), H(6)));
+    EXPECT_THAT(e.pages, ElementsAre(goes_last, c));
+    EXPECT_TRUE(sink.events()[0].pages.empty()) << "stored events carry no pages";
+  }
+}
+
 TEST(BlockPoolTest, CheckpointRunIsEvictedAsAUnit) {
   RecordingEventSink sink;
   BlockPool pool({.num_blocks = 6, .event_sink = &sink});

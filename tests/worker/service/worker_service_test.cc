@@ -12,6 +12,9 @@
 #include <random>
 #include <thread>
 
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+
 #include "absl/strings/str_cat.h"
 #include "kvpool/pool_node/node_server.h"
 #include "kvpool/router/router_client.h"
@@ -119,6 +122,8 @@ class Cluster {
     o.listen = "127.0.0.1:0";
     o.metrics_port = -1;
     o.host.core.models = {model};
+    // Far beyond any test: a decision still in flight was not released by the worker.
+    o.host.core.decision_timeout = absl::Minutes(10);
     auto r = router::RouterServer::Start(o);
     ASSERT_TRUE(r.ok()) << r.status();
     router_ = *std::move(r);
@@ -147,6 +152,7 @@ class Cluster {
     return addr;
   }
   void KillNode(size_t i) { nodes_[i].reset(); }
+  pool_node::NodeServer& node(size_t i) { return *nodes_[i]; }
 
   int StartWorker(WorkerConfig c) {
     c.listen = "127.0.0.1:0";
@@ -159,6 +165,7 @@ class Cluster {
     return port;
   }
   router::RouterServer* router() { return router_.get(); }
+  int worker_port(size_t i) const { return workers_[i]->port(); }
   void StopWorkers() { workers_.clear(); }
 
  private:
@@ -477,6 +484,189 @@ TEST(WorkerService, ConcurrentRequestsBatchAndMatchAlone) {
   EXPECT_NE(res->body.find("kvpool_worker_requests_total{status=\"ok\"} 8"), std::string::npos) << res->body;
   EXPECT_NE(res->body.find("kvpool_worker_kv_cache_usage_perc"), std::string::npos);
   EXPECT_NE(res->body.find("kvpool_worker_prefix_cache_queries_total"), std::string::npos);
+}
+
+// Write-back with duplicate copies of a block. A prompt of exactly two blocks, sent
+// twice: the second hits block 0 and recomputes block 1 (its last token must be
+// computed) into a second copy. Filler prompts then reuse the older copy's page (no
+// event: the newer copy keeps the hash) and finally the newer one (the removed event).
+// The pool must get the newer copy's bytes: worker B fetches both blocks and must
+// answer exactly like a recompute-only worker.
+TEST(WorkerService, WriteBackPutsTheLastCopyOfADuplicatedBlock) {
+  Cluster cl("dup");
+  const std::string a = cl.StartNode("pool-a", 8 << 20, 0);
+  ASSERT_FALSE(a.empty());
+  std::mt19937 rng(7);
+  const Tokens p = RandomTokens(rng, 32, 512);  // 2 full blocks of 16
+  const Tokens probe = Concat(p, RandomTokens(rng, 3, 512));
+  const std::vector<Answer> want = Oracle(cl, "tiny-gqa", {probe});
+
+  WorkerConfig wa;
+  wa.instance_id = "worker-a";
+  wa.pool_nodes = {a};
+  wa.offload = "write-back";
+  wa.num_blocks = 12;
+  Client worker_a(cl.StartWorker(wa));
+  ASSERT_TRUE(worker_a.Generate(p, 1).ok());
+  auto second = worker_a.Generate(p, 1);
+  ASSERT_TRUE(second.ok()) << second.status();
+  ASSERT_EQ(second->resp.gpu_hit_tokens(), 16u);  // block 1 now has two copies
+  ASSERT_EQ(second->resp.recomputed_tokens(), 16u);
+  for (int i = 0; i < 16; ++i) ASSERT_TRUE(worker_a.Generate(RandomTokens(rng, 16, 512), 1).ok());
+
+  WorkerConfig wb = wa;
+  wb.instance_id = "worker-b";
+  wb.fetch = "always";
+  wb.num_blocks = 64;
+  Client worker_b(cl.StartWorker(wb));
+  auto got = worker_b.Generate(probe, 2);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->resp.pool_hit_tokens(), 32u);
+  EXPECT_EQ(got->output, want[0].output);
+  EXPECT_EQ(got->digest, want[0].digest);
+}
+
+// Hybrid + write-back: a KDA checkpoint shares its hash with the KV block ending at its
+// boundary. The block must still reach the pool with its parent (the pool evicts
+// leaf-first and the router rebuilds chains from parents).
+TEST(WorkerService, WriteBackKeepsTheParentOfCheckpointBoundaryBlocks) {
+  Cluster cl("hybrid-wb");
+  const std::string a = cl.StartNode("pool-a", 64 << 20, 0);
+  ASSERT_FALSE(a.empty());
+  WorkerConfig wa;
+  wa.model = "tiny-hybrid";
+  wa.instance_id = "worker-a";
+  wa.pool_nodes = {a};
+  wa.offload = "write-back";
+  wa.num_blocks = 24;
+  Client worker_a(cl.StartWorker(wa));
+  std::mt19937 rng(13);
+  // 5 blocks of 64: the checkpoint at 256 tokens sits on block 3.
+  ASSERT_TRUE(worker_a.Generate(RandomTokens(rng, 5 * 64 + 5, 512), 2).ok());
+  for (int i = 0; i < 8; ++i) ASSERT_TRUE(worker_a.Generate(RandomTokens(rng, 4 * 64 + 3, 512), 1).ok());
+
+  absl::flat_hash_map<BlockHash, std::optional<BlockHash>> attn;
+  absl::flat_hash_set<BlockHash> checkpoints;
+  cl.node(0).core().ForEachVisible([&](const pool_node::ObjectKey& k, const std::optional<BlockHash>& parent, auto) {
+    if (k.kind == StateKind::kAttnKv) attn[k.hash] = parent;
+    else checkpoints.insert(k.hash);
+  });
+  int boundary_blocks = 0;
+  for (const BlockHash& h : checkpoints) {
+    auto it = attn.find(h);
+    if (it == attn.end()) continue;
+    ++boundary_blocks;
+    EXPECT_TRUE(it->second.has_value()) << "block " << h.ToHex() << " at a checkpoint lost its parent";
+  }
+  EXPECT_GT(boundary_blocks, 0);
+}
+
+// A client that gives up (deadline) ends its request on the worker: the running slot
+// and pages are freed instead of decoding all 4096 tokens for nobody.
+TEST(WorkerService, CancelledClientAbortsItsRequest) {
+  Cluster cl("cancel");
+  WorkerConfig c;
+  c.instance_id = "worker-c";
+  c.max_model_len = 8192;
+  Client w(cl.StartWorker(c));
+  std::mt19937 rng(17);
+  auto stub = v1::Worker::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", cl.worker_port(0)), grpc::InsecureChannelCredentials()));
+  v1::GenerateRequest req;
+  for (uint32_t t : RandomTokens(rng, 40, 512)) req.add_tokens(t);
+  req.set_max_new_tokens(4096);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
+  v1::GenerateResponse resp;
+  ASSERT_EQ(stub->Generate(&ctx, req, &resp).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  // Bounded poll: the engine notices at its next iteration.
+  v1::WorkerStats st;
+  for (int i = 0; i < 600; ++i) {
+    st = w.Stats();
+    if (st.load().running_requests() == 0 && st.load().waiting_requests() == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(st.load().running_requests(), 0u);
+  EXPECT_EQ(st.load().waiting_requests(), 0u);
+  // Dropped, not run to completion (a completed request counts its prompt here).
+  EXPECT_EQ(st.prefix_queries_tokens(), 0u);
+  // The worker still serves.
+  EXPECT_TRUE(w.Generate(RandomTokens(rng, 20, 512), 2).ok());
+}
+
+// Polls the router until its in-flight decisions for `instance` reach `want`.
+uint64_t WaitInflight(router::RouterClient& rc, const std::string& instance, uint64_t want) {
+  uint64_t n = UINT64_MAX;
+  for (int i = 0; i < 400; ++i) {
+    auto st = rc.GetStats();
+    if (st.ok()) {
+      for (const v1::InstanceStats& is : st->instances()) {
+        if (is.source_id() == instance) n = is.inflight_decisions();
+      }
+    }
+    if (n == want) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return n;
+}
+
+// A routed request that fails on the worker (it cannot fit even alone) releases the
+// router's decision, so the router stops counting phantom load on the worker.
+TEST(WorkerService, FailedRoutedRequestReleasesItsDecision) {
+  Cluster cl("decision");
+  cl.StartRouter("tiny-gqa");
+  WorkerConfig c;
+  c.instance_id = "worker-d";
+  c.num_blocks = 4;  // 3 pages of 16 tokens
+  Client w(cl.StartWorker(c));
+  auto rc = router::RouterClient::Connect(cl.router_address());
+  ASSERT_TRUE(rc.ok()) << rc.status();
+  std::mt19937 rng(19);
+  const Tokens prompt = RandomTokens(rng, 100, 512);
+  v1::RouteResponse route;
+  for (int i = 0; i < 100; ++i) {  // until the worker has registered
+    v1::RouteRequest req;
+    req.mutable_model()->set_name("tiny-gqa");
+    for (uint32_t t : prompt) req.add_tokens(t);
+    auto r = (*rc)->Route(req);
+    if (r.ok() && r->instance_id() == "worker-d") {
+      route = *r;
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_EQ(route.instance_id(), "worker-d");
+  ASSERT_NE(route.decision_id(), 0u);
+  ASSERT_EQ(WaitInflight(**rc, "worker-d", 1), 1u);
+
+  auto stub = v1::Worker::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", cl.worker_port(0)), grpc::InsecureChannelCredentials()));
+  v1::GenerateRequest req;
+  for (uint32_t t : prompt) req.add_tokens(t);
+  req.set_max_new_tokens(2);
+  req.set_router_decision_id(route.decision_id());
+  grpc::ClientContext ctx;
+  v1::GenerateResponse resp;
+  EXPECT_FALSE(stub->Generate(&ctx, req, &resp).ok());  // does not fit in 3 pages
+  EXPECT_EQ(WaitInflight(**rc, "worker-d", 0), 0u);
+}
+
+// Prefill has no max_new_tokens field: its length error must not name one.
+TEST(WorkerService, PrefillLengthErrorNamesItsOwnFields) {
+  Cluster cl("prefill-len");
+  WorkerConfig c;
+  c.max_model_len = 64;
+  cl.StartWorker(c);
+  auto stub = v1::Worker::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", cl.worker_port(0)), grpc::InsecureChannelCredentials()));
+  v1::PrefillRequest req;
+  for (int i = 0; i < 64; ++i) req.add_tokens(1);
+  grpc::ClientContext ctx;
+  v1::GenerateResponse resp;
+  grpc::Status s = stub->Prefill(&ctx, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(s.error_message().find("max_new_tokens"), std::string::npos) << s.error_message();
+  EXPECT_NE(s.error_message().find("--max-model-len=64"), std::string::npos) << s.error_message();
 }
 
 }  // namespace

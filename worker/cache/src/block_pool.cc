@@ -91,7 +91,10 @@ void BlockPool::UnlinkDuplicate(BlockId id) {
     if (b.link == kNoBlock) {
       attn_cache_.erase(it);
       ++stats_.evicted_blocks;
-      if (options_.event_sink != nullptr) pending_removed_attn_.push_back(b.hash);
+      if (options_.event_sink != nullptr) {
+        pending_removed_attn_.push_back(b.hash);
+        pending_removed_attn_pages_.push_back(id);
+      }
     } else {
       it->second = b.link;  // another copy keeps the hash cached: no event
     }
@@ -397,6 +400,10 @@ void BlockPool::FlushEvents() {
     e.kind = kind;
     e.hashes = std::move(pending);
     pending.clear();
+    if (kind == StateKind::kAttnKv) {
+      e.pages = std::move(pending_removed_attn_pages_);
+      pending_removed_attn_pages_.clear();
+    }
     Publish(std::move(e));
   }
 }

@@ -172,6 +172,7 @@ void Engine::Loop() {
       incoming.swap(queue_);
     }
     for (auto& p : incoming) Admit(std::move(p));
+    DropCancelled();
     if (runner_ != nullptr && runner_->NumUnfinished() > 0) StepOnce();
     if (cfg_.offload == OffloadMode::kWriteThrough) OffloadWriteThrough();
     if (cfg_.offload == OffloadMode::kWriteBack) ResolvePages();
@@ -186,17 +187,45 @@ void Engine::FailAll(const absl::Status& why) {
     absl::MutexLock l(&mu_);
     q.swap(queue_);
   }
-  for (auto& p : q) p->done(why);
+  for (auto& p : q) Answer(*p, why);
   for (auto& [id, p] : running_) {
     if (runner_ != nullptr) runner_->Abort(id).IgnoreError();
-    p->done(why);
+    Answer(*p, why);
   }
-  m_failed_->Increment(static_cast<double>(q.size() + running_.size()));
   running_.clear();
+}
+
+void Engine::DropCancelled() {
+  for (auto it = running_.begin(); it != running_.end();) {
+    if (!it->second->Cancelled()) {
+      ++it;
+      continue;
+    }
+    if (runner_ != nullptr) runner_->Abort(it->first).IgnoreError();
+    std::unique_ptr<Pending> p = std::move(it->second);
+    running_.erase(it++);
+    Answer(*p, absl::CancelledError("the client cancelled the request or its deadline passed"));
+  }
+}
+
+void Engine::ReleaseDecision(Pending& p) {
+  if (p.decision_released) return;
+  p.decision_released = true;
+  if (router::EventPublisher* pub = publisher_.load()) pub->CompleteDecision(p.req.decision_id);
+}
+
+void Engine::Answer(Pending& p, absl::StatusOr<v1::GenerateResponse> r) {
+  ReleaseDecision(p);
+  if (!r.ok()) m_failed_->Increment();
+  p.done(std::move(r));
 }
 
 void Engine::Admit(std::unique_ptr<Pending> p) {
   p->admitted = absl::Now();
+  if (p->Cancelled()) {
+    Answer(*p, absl::CancelledError("the client cancelled the request or its deadline passed"));
+    return;
+  }
   if (runner_ == nullptr) {
     AdmitAccounting(*p);
     return;
@@ -225,8 +254,7 @@ void Engine::Admit(std::unique_ptr<Pending> p) {
   g.tenant_salt = p->req.tenant_salt;
   absl::StatusOr<model::SequenceId> id = runner_->AddSequence(std::move(g));
   if (!id.ok()) {
-    m_failed_->Increment();
-    p->done(id.status());
+    Answer(*p, id.status());
     return;
   }
   running_[*id] = std::move(p);
@@ -351,6 +379,7 @@ void Engine::StepOnce() {
     p->step_start = t0;
     p->first_token = t1;
     p->recompute_s = Seconds(t1 - t0);
+    ReleaseDecision(*p);  // prefill done: from now on the reported load counts it
   }
   // Write-through before answering: once Generate returns, the request's full blocks
   // (and checkpoints) are in the pool, so a request sent elsewhere next can fetch them.
@@ -366,8 +395,7 @@ void Engine::StepOnce() {
 
 void Engine::Respond(Pending& p, absl::StatusOr<model::GenerateResult> r) {
   if (!r.ok()) {
-    m_failed_->Increment();
-    p.done(r.status());
+    Answer(p, r.status());
     return;
   }
   v1::GenerateResponse out;
@@ -396,7 +424,6 @@ void Engine::Respond(Pending& p, absl::StatusOr<model::GenerateResult> r) {
   if (r->recomputed_tokens > 0 && p.recompute_s > 0) {
     Ewma(recompute_tokens_per_s_, static_cast<double>(r->recomputed_tokens + r->replayed_tokens) / p.recompute_s);
   }
-  if (router::EventPublisher* pub = publisher_.load()) pub->CompleteDecision(p.req.decision_id);
   {
     absl::MutexLock l(&mu_);
     stats_.set_prefix_queries_tokens(stats_.prefix_queries_tokens() + static_cast<uint64_t>(r->prompt_tokens));
@@ -405,7 +432,7 @@ void Engine::Respond(Pending& p, absl::StatusOr<model::GenerateResult> r) {
     stats_.set_tokens_fetched(stats_.tokens_fetched() + static_cast<uint64_t>(pool_tokens));
     stats_.set_tokens_recomputed(stats_.tokens_recomputed() + static_cast<uint64_t>(r->recomputed_tokens));
   }
-  p.done(std::move(out));
+  Answer(p, std::move(out));
 }
 
 void Engine::AdmitAccounting(Pending& p) {
@@ -421,8 +448,7 @@ void Engine::AdmitAccounting(Pending& p) {
       hit.ok() ? accounting_->AllocateSlots(id, n - hit->num_tokens, &*hit) : absl::StatusOr<cache::SlotAllocation>(hit.status());
   if (s.ok()) accounting_->Free(id).IgnoreError();
   if (!alloc.ok()) {
-    m_failed_->Increment();
-    p.done(alloc.status());
+    Answer(p, alloc.status());
     return;
   }
   const CostModel cost;
@@ -446,8 +472,7 @@ void Engine::AdmitAccounting(Pending& p) {
     stats_.set_prefix_hits_gpu_tokens(stats_.prefix_hits_gpu_tokens() + static_cast<uint64_t>(hit->num_tokens));
     stats_.set_tokens_recomputed(stats_.tokens_recomputed() + static_cast<uint64_t>(recompute));
   }
-  if (router::EventPublisher* pub = publisher_.load()) pub->CompleteDecision(p.req.decision_id);
-  p.done(std::move(out));
+  Answer(p, std::move(out));
 }
 
 void Engine::OffloadWriteThrough() {
@@ -477,19 +502,17 @@ void Engine::OffloadWriteThrough() {
 
 void Engine::ResolvePages() {
   for (const ToOffload& o : unresolved_) {
-    std::vector<uint64_t> pages;
+    // Not cached any more: it was cached and evicted within one step (never put).
     if (o.kind == StateKind::kAttnKv) {
-      const cache::BlockId id = block_pool_->GetCachedBlock(o.hash);
-      if (id != cache::kNoBlock) pages.push_back(static_cast<uint64_t>(id));
+      if (!block_pool_->IsCached(o.hash, StateKind::kAttnKv)) continue;
+      write_back_[0][o.hash] = WriteBack{o.parent, {}};
     } else {
       const cache::BlockId head = block_pool_->GetCachedCheckpoint(o.hash);
-      if (head != cache::kNoBlock) {
-        for (cache::BlockId pg : block_pool_->RunPages(head)) pages.push_back(static_cast<uint64_t>(pg));
-      }
+      if (head == cache::kNoBlock) continue;
+      WriteBack& w = write_back_[1][o.hash];
+      w = WriteBack{std::nullopt, {}};
+      for (cache::BlockId pg : block_pool_->RunPages(head)) w.pages.push_back(static_cast<uint64_t>(pg));
     }
-    if (pages.empty()) continue;
-    pages_of_[KindIndex(o.kind)][o.hash] = std::move(pages);
-    parent_of_[o.hash] = o.parent;
   }
   unresolved_.clear();
 }
@@ -549,24 +572,33 @@ void Engine::Publish(absl::string_view /*source_id*/, const cache::KvEvent& even
   }
   if (cfg_.offload != OffloadMode::kWriteBack) return;
   if (event.type == cache::KvEvent::Type::kCleared) {
-    pages_of_[0].clear();
-    pages_of_[1].clear();
-    parent_of_.clear();
+    write_back_[0].clear();
+    write_back_[1].clear();
     return;
   }
-  // Write-back: the last copy of these hashes is being dropped; their pages still hold
+  // Write-back: the last copy of these hashes is being dropped; its page still holds
   // the bytes (a reused page is only written after this call returns), so put now.
+  // For attn blocks that page is the one the event names, not the page of the copy
+  // first cached: older copies may have been reused (silently) since.
   const int k = KindIndex(event.kind);
+  const bool attn = event.kind == StateKind::kAttnKv;
   std::vector<PoolPut> items;
-  for (const BlockHash& h : event.hashes) {
-    auto it = pages_of_[k].find(h);
-    if (it == pages_of_[k].end()) continue;  // cached and evicted within one step
-    PoolPut put{h, event.kind == StateKind::kAttnKv ? parent_of_[h] : std::nullopt, event.kind, it->second,
-                static_cast<uint64_t>(event.kind == StateKind::kAttnKv ? runner_->arena().page_bytes()
-                                                                      : runner_->arena().state_bytes())};
-    items.push_back(std::move(put));
-    pages_of_[k].erase(it);
-    if (event.kind == StateKind::kAttnKv) parent_of_.erase(h);
+  for (size_t i = 0; i < event.hashes.size(); ++i) {
+    const BlockHash& h = event.hashes[i];
+    auto it = write_back_[k].find(h);
+    if (it == write_back_[k].end()) continue;  // imported, or cached and evicted within one step
+    std::vector<uint64_t> pages = std::move(it->second.pages);
+    if (attn) {
+      if (i >= event.pages.size()) {
+        spdlog::error("removed event without the page of block {}; not written back", h.ToHex());
+        write_back_[k].erase(it);
+        continue;
+      }
+      pages = {static_cast<uint64_t>(event.pages[i])};
+    }
+    items.push_back(PoolPut{h, it->second.parent, event.kind, std::move(pages),
+                            static_cast<uint64_t>(attn ? runner_->arena().page_bytes() : runner_->arena().state_bytes())});
+    write_back_[k].erase(it);
   }
   if (items.empty()) return;
   const uint64_t written = pool_->Put(items);

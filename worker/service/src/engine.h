@@ -66,6 +66,10 @@ struct EngineRequest {
   int32_t max_new_tokens = 16;  // >= 1
   std::string tenant_salt;
   uint64_t decision_id = 0;
+  // Set by the caller (any thread) when nobody waits for the answer any more: the engine
+  // drops the request at its next iteration, queued or running, freeing its pages and
+  // its running slot, and answers CANCELLED. Null: never cancelled.
+  std::shared_ptr<std::atomic<bool>> cancelled;
 };
 
 using EngineDone = std::function<void(absl::StatusOr<v1::GenerateResponse>)>;
@@ -111,6 +115,8 @@ class Engine : public cache::KvEventSink {
     double recompute_s = 0;
     int64_t pool_tokens = 0;  // prompt tokens fetched from pool nodes
     bool started = false;
+    bool decision_released = false;  // CompleteDecision sent (prefill done, or failed)
+    bool Cancelled() const { return req.cancelled != nullptr && req.cancelled->load(std::memory_order_relaxed); }
   };
   struct MirrorEntry {
     std::optional<BlockHash> parent;
@@ -129,6 +135,14 @@ class Engine : public cache::KvEventSink {
   void ResolvePages();  // write-back: page of every newly cached object
   void UpdateLoad();
   void FailAll(const absl::Status& why);
+  // Running or runner-queued requests whose caller gave up: aborted, answered CANCELLED.
+  void DropCancelled();
+  // Tells the router its decision for `p` is over: its prefill is done (the router
+  // counts the request in the instance's reported load from then on) or it failed.
+  // Once per request; decision_id 0 (not routed) is ignored.
+  void ReleaseDecision(Pending& p);
+  // Every answer goes through here: releases the decision, counts failures, calls done.
+  void Answer(Pending& p, absl::StatusOr<v1::GenerateResponse> r);
 
   const EngineConfig cfg_;
   MetricsRegistry* metrics_;
@@ -147,8 +161,15 @@ class Engine : public cache::KvEventSink {
   };
   std::vector<ToOffload> offload_queue_;  // write-through: cached since the last offload
   std::vector<ToOffload> unresolved_;     // write-back: pages not looked up yet
-  absl::flat_hash_map<BlockHash, std::vector<uint64_t>> pages_of_[2];  // write-back, by kind
-  absl::flat_hash_map<BlockHash, std::optional<BlockHash>> parent_of_;  // write-back
+  // Write-back, by kind: objects computed here (imports are already in the pool) and
+  // still cached, with what their Put needs. Attn blocks carry no page: one hash may
+  // have several copies whose pages are reused silently until the last goes, so the
+  // page comes from the removed event (the last copy's). Checkpoints have one run.
+  struct WriteBack {
+    std::optional<BlockHash> parent;  // kAttnKv only; a checkpoint's is nullopt
+    std::vector<uint64_t> pages;      // kLinearState: the run's pages, head first
+  };
+  absl::flat_hash_map<BlockHash, WriteBack> write_back_[2];
   bool importing_ = false;  // events of an import are pool copies: not offloaded again
   double recompute_tokens_per_s_ = 0;  // EWMA of measured prefill throughput
   double fetch_bytes_per_s_ = 0;       // EWMA of measured pool Get throughput

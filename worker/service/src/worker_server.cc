@@ -35,7 +35,8 @@ class WorkerService final : public v1::Worker::Service {
   WorkerService(Engine* engine, const WorkerConfig& cfg) : engine_(engine), cfg_(cfg) {}
 
   grpc::Status Prefill(grpc::ServerContext* ctx, const v1::PrefillRequest* req, v1::GenerateResponse* resp) override {
-    return Run(ctx, req->request_id(), req->tokens(), 1, req->tenant_salt(), req->router_decision_id(), resp);
+    return Run(ctx, req->request_id(), req->tokens(), 1, req->tenant_salt(), req->router_decision_id(), resp,
+               /*prefill=*/true);
   }
   grpc::Status Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req, v1::GenerateResponse* resp) override {
     if (req->max_new_tokens() > kMaxNewTokens) {
@@ -43,7 +44,7 @@ class WorkerService final : public v1::Worker::Service {
           "max_new_tokens=", req->max_new_tokens(), " is above ", kMaxNewTokens, "; ask for fewer")));
     }
     return Run(ctx, req->request_id(), req->tokens(), static_cast<int32_t>(req->max_new_tokens()), req->tenant_salt(),
-               req->router_decision_id(), resp);
+               req->router_decision_id(), resp, /*prefill=*/false);
   }
   grpc::Status GetStats(grpc::ServerContext*, const v1::GetWorkerStatsRequest*, v1::WorkerStats* resp) override {
     *resp = engine_->Stats();
@@ -51,8 +52,10 @@ class WorkerService final : public v1::Worker::Service {
   }
 
  private:
+  // `prefill`: a Prefill call, whose one generated token is implied (it has no
+  // max_new_tokens field to name).
   absl::Status Validate(const std::string& request_id, const google::protobuf::RepeatedField<uint32_t>& tokens,
-                        int32_t max_new_tokens, const std::string& salt) const {
+                        int32_t max_new_tokens, const std::string& salt, bool prefill) const {
     if (request_id.size() > 128) {
       return absl::InvalidArgumentError(absl::StrCat("request_id has ", request_id.size(), " bytes; at most 128"));
     }
@@ -67,6 +70,11 @@ class WorkerService final : public v1::Worker::Service {
                                                        engine_->spec().name, "' vocab size ", vocab));
       }
     }
+    if (prefill && static_cast<int64_t>(tokens.size()) + 1 > cfg_.max_model_len) {
+      return absl::InvalidArgumentError(absl::StrCat("tokens (", tokens.size(),
+                                                     ") + the one token Prefill generates exceeds this worker's "
+                                                     "--max-model-len=", cfg_.max_model_len, "; shorten the prompt"));
+    }
     if (static_cast<int64_t>(tokens.size()) + max_new_tokens > cfg_.max_model_len) {
       return absl::InvalidArgumentError(absl::StrCat("tokens (", tokens.size(), ") + max_new_tokens (", max_new_tokens,
                                                      ") exceeds this worker's --max-model-len=", cfg_.max_model_len,
@@ -80,24 +88,32 @@ class WorkerService final : public v1::Worker::Service {
 
   grpc::Status Run(grpc::ServerContext* ctx, const std::string& request_id,
                    const google::protobuf::RepeatedField<uint32_t>& tokens, int32_t max_new_tokens,
-                   const std::string& salt, uint64_t decision_id, v1::GenerateResponse* resp) {
-    if (absl::Status s = Validate(request_id, tokens, max_new_tokens, salt); !s.ok()) return ToGrpcStatus(s);
+                   const std::string& salt, uint64_t decision_id, v1::GenerateResponse* resp, bool prefill) {
+    if (absl::Status s = Validate(request_id, tokens, max_new_tokens, salt, prefill); !s.ok()) return ToGrpcStatus(s);
     EngineRequest er;
     er.request_id = request_id.empty() ? absl::StrCat(cfg_.instance_id, "-", next_id_.fetch_add(1)) : request_id;
     er.tokens.assign(tokens.begin(), tokens.end());
     er.max_new_tokens = max_new_tokens;
     er.tenant_salt = salt;
     er.decision_id = decision_id;
+    // Relaxed: the flag publishes nothing else; the engine reads it once per iteration.
+    auto cancelled = std::make_shared<std::atomic<bool>>(false);
+    er.cancelled = cancelled;
     auto promise = std::make_shared<std::promise<absl::StatusOr<v1::GenerateResponse>>>();
     std::future<absl::StatusOr<v1::GenerateResponse>> done = promise->get_future();
     absl::Status s = engine_->Submit(std::move(er), [promise](absl::StatusOr<v1::GenerateResponse> r) {
       promise->set_value(std::move(r));
     });
     if (!s.ok()) return ToGrpcStatus(s);
-    // The engine always answers (Stop fails what is left); a cancelled client just
-    // stops waiting.
+    // The engine always answers (Stop fails what is left). A cancelled client (or one
+    // past its deadline) stops waiting and tells the engine, which drops the request at
+    // its next iteration (freeing its pages and running slot) and answers CANCELLED to
+    // the callback, which owns the promise.
     while (done.wait_for(std::chrono::milliseconds(100)) != std::future_status::ready) {
-      if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
+      if (ctx->IsCancelled()) {
+        cancelled->store(true, std::memory_order_relaxed);
+        return grpc::Status(grpc::StatusCode::CANCELLED, "client cancelled");
+      }
     }
     absl::StatusOr<v1::GenerateResponse> r = done.get();
     if (!r.ok()) return ToGrpcStatus(r.status());

@@ -169,6 +169,7 @@ class BlockPool {
   absl::flat_hash_map<BlockHash, BlockId> attn_cache_;
   absl::flat_hash_map<BlockHash, BlockId> checkpoint_cache_;
   std::vector<BlockHash> pending_removed_attn_;
+  std::vector<BlockId> pending_removed_attn_pages_;  // parallel to pending_removed_attn_
   std::vector<BlockHash> pending_removed_state_;
   uint64_t next_sequence_ = 1;
   BlockPoolStats stats_;

@@ -46,6 +46,12 @@ struct KvEvent {
   // stored: consecutive blocks of one chain (a checkpoint: its one boundary hash);
   // removed: hashes that are no longer held; cleared: empty.
   std::vector<BlockHash> hashes;
+  // removed, kAttnKv: pages[i] is the block that held the last copy of hashes[i] (a
+  // hash may have had several copies; earlier ones went silently). The page still holds
+  // that copy's bytes while the sink runs: it is only rewritten after the cache call
+  // that published the event returns. A write-back tier copies it out from there.
+  // Empty for every other event.
+  std::vector<int32_t> pages;
 };
 
 absl::string_view EventTypeName(KvEvent::Type type);  // "stored", "removed", "cleared"
