@@ -20,12 +20,23 @@ EventPublisher::~EventPublisher() {
   {
     absl::MutexLock l(&mu_);
     stop_ = true;
+    // A Write blocked on flow control (the router stopped reading) returns false now;
+    // without this the join below could wait for TCP to give up, or forever.
+    if (live_ctx_ != nullptr) live_ctx_->TryCancel();
   }
   if (thread_.joinable()) thread_.join();
 }
 
 void EventPublisher::Start() {
-  stub_ = v1::Router::NewStub(grpc::CreateChannel(opts_.router_address, grpc::InsecureChannelCredentials()));
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, static_cast<int>(absl::ToInt64Milliseconds(opts_.keepalive_time)));
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, static_cast<int>(absl::ToInt64Milliseconds(opts_.keepalive_timeout)));
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  // Keep pinging while a Write is stuck: no data goes out then, and the default limit
+  // (2 pings without data) would stop the very pings that detect the dead peer.
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  stub_ = v1::Router::NewStub(
+      grpc::CreateCustomChannel(opts_.router_address, grpc::InsecureChannelCredentials(), args));
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -48,9 +59,38 @@ uint64_t EventPublisher::dumps_sent() const {
   absl::MutexLock l(&mu_);
   return dumps_sent_;
 }
+uint64_t EventPublisher::registrations() const {
+  absl::MutexLock l(&mu_);
+  return registrations_;
+}
 bool EventPublisher::connected() const {
   absl::MutexLock l(&mu_);
   return streaming_;
+}
+
+bool EventPublisher::OpenStream() {
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  {
+    absl::MutexLock l(&mu_);
+    if (stop_) return false;  // checked under mu_: the destructor cannot miss this context
+    live_ctx_ = ctx.get();
+  }
+  stream_ctx_ = std::move(ctx);
+  stream_resp_.Clear();
+  stream_ = stub_->PublishEvents(stream_ctx_.get(), &stream_resp_);
+  return true;
+}
+
+void EventPublisher::CloseStream() {
+  if (!stream_) return;
+  stream_ctx_->TryCancel();
+  stream_->Finish();
+  stream_.reset();
+  {
+    absl::MutexLock l(&mu_);
+    live_ctx_ = nullptr;
+  }
+  stream_ctx_.reset();
 }
 
 // Registers, opens a fresh stream and sends a full dump. False when the router is not
@@ -61,11 +101,7 @@ bool EventPublisher::RegisterAndDump() {
     streaming_ = false;
     queue_.clear();
   }
-  if (stream_) {
-    stream_ctx_->TryCancel();
-    stream_->Finish();
-    stream_.reset();
-  }
+  CloseStream();
   {
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + opts_.rpc_timeout));
@@ -78,7 +114,18 @@ bool EventPublisher::RegisterAndDump() {
     }
     next_sequence_ = resp.next_sequence() ? resp.next_sequence() : 1;
     if (resp.heartbeat_interval_ms() > 0) heartbeat_ms_ = resp.heartbeat_interval_ms();
+    absl::MutexLock l(&mu_);
+    ++registrations_;
   }
+  if (!OpenStream()) return false;
+  if (!SendDump()) return false;
+  spdlog::info("router {}: {} registered", opts_.router_address, opts_.registration.source_id());
+  return true;
+}
+
+// Sends a full dump on the open stream: the first batch has full_dump set (the router
+// replaces what it knows of the source), the rest continue the sequence.
+bool EventPublisher::SendDump() {
   // From here on changes queue; the dump below covers everything before it (a change
   // caught by both is harmless: stored twice, or removed after the dump, in order).
   {
@@ -87,15 +134,17 @@ bool EventPublisher::RegisterAndDump() {
     streaming_ = true;
   }
   std::vector<v1::KvEvent> dump = opts_.dump ? opts_.dump() : std::vector<v1::KvEvent>{};
-  stream_ctx_ = std::make_unique<grpc::ClientContext>();
-  stream_resp_.Clear();
-  stream_ = stub_->PublishEvents(stream_ctx_.get(), &stream_resp_);
   size_t i = 0;
   bool first = true;
   do {
     v1::EventBatch batch;
     batch.set_source_id(opts_.registration.source_id());
-    batch.set_full_dump(first);
+    if (first) {
+      batch.set_full_dump(true);
+      // An empty dump on a stream that has sent events must say where the sequence
+      // stands, or the router would see the next event as a gap.
+      if (dump.empty()) batch.set_dump_sequence(next_sequence_ - 1);
+    }
     first = false;
     for (; i < dump.size() && batch.events_size() < static_cast<int>(kMaxEventsPerBatch); ++i) {
       v1::KvEvent* e = batch.add_events();
@@ -109,7 +158,7 @@ bool EventPublisher::RegisterAndDump() {
       return false;
     }
   } while (i < dump.size());
-  spdlog::info("router {}: {} registered, full dump of {} objects sent", opts_.router_address,
+  spdlog::info("router {}: {} sent a full dump of {} objects", opts_.router_address,
                opts_.registration.source_id(), dump.size());
   absl::MutexLock l(&mu_);
   ++dumps_sent_;
@@ -117,7 +166,7 @@ bool EventPublisher::RegisterAndDump() {
   return true;
 }
 
-bool EventPublisher::SendHeartbeat() {
+EventPublisher::HeartbeatOutcome EventPublisher::SendHeartbeat() {
   v1::HeartbeatRequest req;
   req.set_source_id(opts_.registration.source_id());
   if (opts_.load) *req.mutable_load() = opts_.load();
@@ -133,26 +182,48 @@ bool EventPublisher::SendHeartbeat() {
   grpc::Status s = stub_->Heartbeat(&ctx, req, &resp);
   if (!s.ok()) {
     spdlog::warn("router {}: Heartbeat failed: {}", opts_.router_address, s.error_message());
-    return false;
+    // Put the decisions back (up to the cap) so the next heartbeat reports them.
+    absl::MutexLock l(&mu_);
+    for (uint64_t d : completed) {
+      if (completed_.size() >= kMaxCompleted) break;
+      completed_.push_back(d);
+    }
+    return HeartbeatOutcome::kFailed;
   }
-  return !resp.unknown_source() && !resp.full_dump_requested();
+  if (resp.unknown_source()) return HeartbeatOutcome::kUnknownSource;
+  if (resp.full_dump_requested()) return HeartbeatOutcome::kDumpRequested;
+  return HeartbeatOutcome::kOk;
 }
 
 void EventPublisher::Loop() {
   bool connected = false;
+  int failed_heartbeats = 0;  // in a row
   auto last_heartbeat = std::chrono::steady_clock::now();
+  // Acts on a heartbeat's answer; false: register + dump again.
+  auto heartbeat = [&]() -> bool {
+    last_heartbeat = std::chrono::steady_clock::now();
+    switch (SendHeartbeat()) {
+      case HeartbeatOutcome::kOk:
+        failed_heartbeats = 0;
+        return true;
+      case HeartbeatOutcome::kFailed:
+        if (++failed_heartbeats < opts_.max_heartbeat_failures) return true;
+        spdlog::warn("router {}: {} heartbeats failed in a row; registering again", opts_.router_address,
+                     failed_heartbeats);
+        return false;
+      case HeartbeatOutcome::kDumpRequested:
+        failed_heartbeats = 0;
+        return SendDump();
+      case HeartbeatOutcome::kUnknownSource:
+        return false;
+    }
+    return false;
+  };
   for (;;) {
     if (!connected) {
-      connected = RegisterAndDump();
-      if (!connected) {
-        absl::MutexLock l(&mu_);
-        mu_.AwaitWithTimeout(absl::Condition(&stop_), opts_.retry_interval);
-        if (stop_) break;
-        continue;
-      }
-      last_heartbeat = std::chrono::steady_clock::now();
-      connected = SendHeartbeat();  // load known to the router right away
-      if (!connected) {  // registered but refused: do not hammer the router
+      failed_heartbeats = 0;
+      connected = RegisterAndDump() && heartbeat();  // load known to the router right away
+      if (!connected) {  // unreachable, or registered but refused: do not hammer the router
         absl::MutexLock l(&mu_);
         mu_.AwaitWithTimeout(absl::Condition(&stop_), opts_.retry_interval);
         if (stop_) break;
@@ -187,15 +258,11 @@ void EventPublisher::Loop() {
     }
     // Heartbeats at half the interval the router asked for, so one late one is harmless.
     if (std::chrono::steady_clock::now() - last_heartbeat >= std::chrono::milliseconds(heartbeat_ms_ / 2)) {
-      last_heartbeat = std::chrono::steady_clock::now();
-      connected = SendHeartbeat();
+      connected = heartbeat();
     }
   }
-  if (stream_) {
-    stream_->WritesDone();
-    stream_ctx_->TryCancel();
-    stream_->Finish();
-  }
+  if (stream_) stream_->WritesDone();  // returns at once if ~EventPublisher cancelled it
+  CloseStream();
 }
 
 }  // namespace kvpool::router

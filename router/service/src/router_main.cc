@@ -93,6 +93,13 @@ int RunRouterMain(int argc, char** argv) {
   if (!(heartbeat_timeout_s > 0) || !(decision_timeout_s > 0) || !(approx_ttl_s > 0)) {
     return bad("--heartbeat-timeout, --decision-timeout and --approx-ttl must be > 0 seconds");
   }
+  // Otherwise Tick drops every source between two of its heartbeats.
+  if (heartbeat_timeout_s * 1000 < 2.0 * heartbeat_interval_ms) {
+    return bad(absl::StrCat("--heartbeat-timeout=", heartbeat_timeout_s, " s is shorter than 2 x --heartbeat-interval-ms=",
+                            heartbeat_interval_ms, " ms; every source would be dropped between heartbeats. Set "
+                            "--heartbeat-timeout to at least ", 2.0 * heartbeat_interval_ms / 1000, " s or lower "
+                            "--heartbeat-interval-ms"));
+  }
   c.heartbeat_interval = absl::Milliseconds(heartbeat_interval_ms);
   c.heartbeat_timeout = absl::Seconds(heartbeat_timeout_s);
   c.decision_timeout = absl::Seconds(decision_timeout_s);

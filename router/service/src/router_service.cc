@@ -15,6 +15,16 @@
 namespace kvpool::router {
 namespace {
 
+constexpr int kMaxCompletedPerHeartbeat = 65536;
+
+// Keepalive: a worker that vanished without a reset (host down, SIGSTOP) would hold one
+// of max_streams for ~2 h of TCP keepalive; with these its stream ends within ~40 s.
+// Publishers ping every 10 s (EventPublisherOptions::keepalive_time); pings closer than
+// kMinClientPingInterval count as strikes and too many close the connection.
+constexpr int kKeepaliveTimeMs = 30'000;
+constexpr int kKeepaliveTimeoutMs = 10'000;
+constexpr int kMinClientPingIntervalMs = 5'000;
+
 // One PublishEvents stream. At any moment either a read or an apply is pending, never
 // both, so the reactor needs no lock: read -> convert -> Enqueue -> (applier) OnApplied
 // -> read ... -> client half-closes -> Finish with the totals.
@@ -128,6 +138,13 @@ class RouterService final : public v1::Router::CallbackService {
     if (req.source_id().empty()) {
       return absl::InvalidArgumentError("source_id: empty; set the id the source registered with");
     }
+    // The core releases each decision under core_mu_; an unbounded list would stall
+    // every Route for as long as it takes.
+    if (req.completed_decisions_size() > kMaxCompletedPerHeartbeat) {
+      return absl::InvalidArgumentError(absl::StrCat("completed_decisions: ", req.completed_decisions_size(),
+                                                     " entries; send at most ", kMaxCompletedPerHeartbeat,
+                                                     " per heartbeat"));
+    }
     ASSIGN_OR_RETURN(InstanceLoad load, LoadFromProto(req.load(), "load"));
     const HeartbeatResult r =
         host_->Heartbeat(req.source_id(), load,
@@ -173,6 +190,12 @@ absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Start(RouterServerOp
   builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &impl->port);
   builder.RegisterService(impl->service.get());
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveTimeMs);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kKeepaliveTimeoutMs);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, kMinClientPingIntervalMs);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);  // our own keepalive pings
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 2);
   impl->server = builder.BuildAndStart();
   if (impl->server == nullptr || impl->port == 0) {
     return absl::UnavailableError(absl::StrCat("could not listen on --listen=", options.listen,

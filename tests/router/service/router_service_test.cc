@@ -1,8 +1,13 @@
 // kvpool.v1.Router over a real loopback gRPC server: registration, event streams with
-// gaps and dumps, routing, bad input, health, /metrics, and kvctl route/status.
+// gaps and dumps, routing, bad input, health, /metrics, and kvctl route/status; plus
+// kvpool-router's flag checks.
 #include <atomic>
 #include <sstream>
+#include <string>
 #include <thread>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
@@ -341,11 +346,65 @@ TEST_F(RouterServiceTest, KvctlRouteAndStatus) {
   EXPECT_EQ(c7, 2);
   EXPECT_NE(e7.find("--tokens"), std::string::npos);
   auto [c8, o8, e8] = run({"route", "--router", addr_, "--model", "nope", "--tokens", "1-40"});
-  EXPECT_EQ(c8, 1);
+  EXPECT_EQ(c8, 2);  // the router refused the arguments: kvctl's "bad arguments" code
   EXPECT_NE(e8.find("INVALID_ARGUMENT"), std::string::npos);
   auto [c9, o9, e9] = run({"route", "--router", addr_, "--hashes", "xyz"});
   EXPECT_EQ(c9, 2);
   EXPECT_NE(e9.find("--hashes[0]"), std::string::npos);
+}
+
+// A 10M-entry list would be released under core_mu_ and stall every Route.
+TEST_F(RouterServiceTest, HeartbeatWithTooManyCompletedDecisionsIsRefused) {
+  RegisterWorker("w0");
+  v1::HeartbeatRequest hb;
+  hb.set_source_id("w0");
+  for (uint64_t i = 1; i <= 65536; ++i) hb.add_completed_decisions(i);
+  auto ok = client_->Heartbeat(hb);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_FALSE(ok->unknown_source());
+
+  hb.add_completed_decisions(65537);
+  auto r = client_->Heartbeat(hb);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("completed_decisions: 65537 entries; send at most 65536 per heartbeat"),
+            absl::string_view::npos)
+      << r.status();
+}
+
+// Runs kvpool-router's main with `args`; returns its exit code and stderr. Every call
+// here also passes --max-streams 0, so a config the flag checks let through fails at
+// RouterHost::Create instead of serving forever.
+std::pair<int, std::string> RunRouterMainWith(std::vector<std::string> args) {
+  args.insert(args.begin(), "kvpool-router");
+  for (const char* a : {"--listen", "127.0.0.1:0", "--metrics-port", "-1", "--max-streams", "0"}) args.push_back(a);
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  testing::internal::CaptureStderr();
+  const int rc = RunRouterMain(static_cast<int>(argv.size()), argv.data());
+  return {rc, testing::internal::GetCapturedStderr()};
+}
+
+TEST(RouterMainTest, HeartbeatTimeoutShorterThanTwoIntervalsIsRefused) {
+  // The default --heartbeat-timeout (10 s) with a 60 s interval: every source dropped.
+  auto [rc, err] = RunRouterMainWith({"--heartbeat-interval-ms", "60000"});
+  EXPECT_EQ(rc, 2);
+  EXPECT_NE(err.find("--heartbeat-timeout=10 s is shorter than 2 x --heartbeat-interval-ms=60000 ms"),
+            std::string::npos)
+      << err;
+  EXPECT_NE(err.find("at least 120 s"), std::string::npos) << err;
+
+  std::tie(rc, err) = RunRouterMainWith({"--heartbeat-interval-ms", "1000", "--heartbeat-timeout", "1.5"});
+  EXPECT_EQ(rc, 2);
+  EXPECT_NE(err.find("--heartbeat-timeout"), std::string::npos) << err;
+}
+
+TEST(RouterMainTest, HeartbeatTimeoutOfTwoIntervalsIsAccepted) {
+  // Gets past the heartbeat check and stops at --max-streams 0.
+  auto [rc, err] = RunRouterMainWith({"--heartbeat-interval-ms", "60000", "--heartbeat-timeout", "120"});
+  EXPECT_EQ(rc, 2);
+  EXPECT_EQ(err.find("--heartbeat-timeout"), std::string::npos) << err;
+  EXPECT_NE(err.find("max_streams"), std::string::npos) << err;
 }
 
 }  // namespace

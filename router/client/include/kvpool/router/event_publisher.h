@@ -8,9 +8,17 @@
 // The thread registers the source, opens a PublishEvents stream and first sends a full
 // dump (options.dump(): every object the source holds, as `stored` events), then the
 // queued events. A broken stream, a heartbeat answering unknown_source (the router
-// restarted) or one asking for a full dump makes it register again and re-dump. Without
-// a router the source runs on: events are only queued while a stream is up, since the
-// next dump replaces them.
+// restarted) or max_heartbeat_failures heartbeat errors in a row make it register again
+// and re-dump; one failed heartbeat (a timeout, a blip) is retried at the next interval,
+// because registering again makes the router forget the source until the dump lands. A
+// heartbeat asking for a full dump gets one on the open stream, without registering.
+// Without a router the source runs on: events are only queued while a stream is up,
+// since the next dump replaces them.
+//
+// A router that stops reading (hung, SIGSTOPped, host gone without a reset) cannot hold
+// the thread forever: the channel sends keepalive pings, so a dead peer breaks the
+// stream after keepalive_time + keepalive_timeout, and ~EventPublisher cancels the
+// stream, so a Write blocked on HTTP/2 flow control returns at once.
 //
 // Example (a worker):
 //   EventPublisherOptions o;
@@ -52,12 +60,19 @@ struct EventPublisherOptions {
   std::function<v1::Load()> load;
   absl::Duration rpc_timeout = absl::Seconds(2);
   absl::Duration retry_interval = absl::Seconds(1);  // between failed Register attempts
+  // Heartbeat RPC errors in a row (DEADLINE_EXCEEDED, UNAVAILABLE, ...) before the
+  // publisher gives up on the stream and registers again; fewer are retried.
+  int max_heartbeat_failures = 3;
+  // HTTP/2 keepalive on the router channel. The router accepts pings at most every 5 s
+  // (router_service.cc), so keep keepalive_time >= 5 s.
+  absl::Duration keepalive_time = absl::Seconds(10);
+  absl::Duration keepalive_timeout = absl::Seconds(5);
 };
 
 class EventPublisher {
  public:
   explicit EventPublisher(EventPublisherOptions options);
-  ~EventPublisher();  // stops the thread, closes the stream
+  ~EventPublisher();  // stops the thread, cancels the stream (never waits on the router)
   EventPublisher(const EventPublisher&) = delete;
   EventPublisher& operator=(const EventPublisher&) = delete;
 
@@ -70,15 +85,29 @@ class EventPublisher {
 
   uint64_t events_sent() const;
   uint64_t dumps_sent() const;
+  uint64_t registrations() const;  // successful Register calls
   bool connected() const;  // registered and streaming
 
  private:
+  enum class HeartbeatOutcome {
+    kOk,
+    kFailed,         // RPC error: retried at the next interval
+    kDumpRequested,  // the router is stale on this source: full dump on the stream
+    kUnknownSource,  // the router forgot the source: register again
+  };
+
   void Loop();
   bool RegisterAndDump();
-  bool SendHeartbeat();  // false: register + dump again
+  bool OpenStream();   // false when stopping
+  void CloseStream();  // cancels and finishes the stream, if any
+  bool SendDump();     // false: the stream broke
+  HeartbeatOutcome SendHeartbeat();
 
   const EventPublisherOptions opts_;
   std::unique_ptr<v1::Router::Stub> stub_;  // used by the thread only
+  // The stream's context. Owned by the thread; live_ctx_ is the same pointer, published
+  // under mu_ so ~EventPublisher can TryCancel() it (thread-safe in gRPC) while the
+  // thread is blocked in Write.
   std::unique_ptr<grpc::ClientContext> stream_ctx_;
   v1::PublishEventsResponse stream_resp_;
   std::unique_ptr<grpc::ClientWriter<v1::EventBatch>> stream_;
@@ -90,6 +119,8 @@ class EventPublisher {
   std::vector<uint64_t> completed_ ABSL_GUARDED_BY(mu_);
   bool streaming_ ABSL_GUARDED_BY(mu_) = false;  // queue only while a stream is up
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::ClientContext* live_ctx_ ABSL_GUARDED_BY(mu_) = nullptr;
+  uint64_t registrations_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t events_sent_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t dumps_sent_ ABSL_GUARDED_BY(mu_) = 0;
   std::thread thread_;

@@ -1,0 +1,199 @@
+// EventPublisher against a fake kvpool.v1.Router (a real loopback gRPC server, sync API)
+// whose faults the test sets: failing heartbeats, dump requests, a stream it never reads.
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "kvpool/router/event_publisher.h"
+#include "kvpool/v1/router.grpc.pb.h"
+
+namespace kvpool::router {
+namespace {
+
+// Waits (bounded) are for progress of the publisher thread, never assertions on speed.
+constexpr absl::Duration kWait = absl::Seconds(30);
+
+class FakeRouter final : public v1::Router::Service {
+ public:
+  grpc::Status Register(grpc::ServerContext*, const v1::RegisterRequest*, v1::RegisterResponse* resp) override {
+    absl::MutexLock l(&mu);
+    ++registers;
+    resp->set_heartbeat_interval_ms(20);  // heartbeats every 10 ms: the tests run fast
+    resp->set_next_sequence(1);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest*, v1::HeartbeatResponse* resp) override {
+    absl::MutexLock l(&mu);
+    ++heartbeats;
+    if (fail_heartbeats > 0) {
+      --fail_heartbeats;
+      return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "injected: heartbeat timed out");
+    }
+    if (request_dump_at_heartbeat == heartbeats) resp->set_full_dump_requested(true);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status PublishEvents(grpc::ServerContext* ctx, grpc::ServerReader<v1::EventBatch>* reader,
+                             v1::PublishEventsResponse*) override {
+    {
+      absl::MutexLock l(&mu);
+      ++streams;
+    }
+    if (stop_reading) {  // a hung router: the client's writes fill the HTTP/2 window
+      while (!release.WaitForNotificationWithTimeout(absl::Milliseconds(50))) {
+        if (ctx->IsCancelled()) break;
+      }
+      return grpc::Status::OK;
+    }
+    v1::EventBatch b;
+    while (reader->Read(&b)) {
+      absl::MutexLock l(&mu);
+      full_dumps += b.full_dump();
+      events += b.events_size();
+    }
+    return grpc::Status::OK;
+  }
+
+  absl::Mutex mu;
+  int registers ABSL_GUARDED_BY(mu) = 0;
+  int heartbeats ABSL_GUARDED_BY(mu) = 0;
+  int streams ABSL_GUARDED_BY(mu) = 0;
+  int full_dumps ABSL_GUARDED_BY(mu) = 0;
+  int events ABSL_GUARDED_BY(mu) = 0;
+  int fail_heartbeats ABSL_GUARDED_BY(mu) = 0;            // the next N heartbeats fail
+  int request_dump_at_heartbeat ABSL_GUARDED_BY(mu) = 0;  // that heartbeat asks for a dump
+  bool stop_reading = false;                              // set before the server starts
+  absl::Notification release;                             // lets a stop_reading stream end
+};
+
+class EventPublisherTest : public ::testing::Test {
+ protected:
+  void StartServer() {
+    grpc::ServerBuilder b;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    b.RegisterService(&fake_);
+    server_ = b.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    ASSERT_GT(port_, 0);
+  }
+
+  void TearDown() override {
+    if (!fake_.release.HasBeenNotified()) fake_.release.Notify();
+    if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  }
+
+  EventPublisherOptions Options(size_t dump_events) {
+    EventPublisherOptions o;
+    o.router_address = "127.0.0.1:" + std::to_string(port_);
+    o.registration.set_source_id("w0");
+    o.registration.set_kind(v1::SOURCE_KIND_WORKER);
+    o.dump = [dump_events] {
+      std::vector<v1::KvEvent> d(dump_events);
+      for (size_t i = 0; i < dump_events; ++i) {
+        v1::BlockStored* s = d[i].mutable_stored();
+        for (int k = 0; k < 4; ++k) s->add_block_hashes(std::string(16, static_cast<char>('a' + (i + k) % 26)));
+        s->set_kind(v1::STATE_KIND_ATTN_KV);
+        s->set_tier(v1::TIER_GPU);
+      }
+      return d;
+    };
+    o.retry_interval = absl::Milliseconds(20);
+    return o;
+  }
+
+  // Waits (bounded) until `cond` holds on the fake's state.
+  bool AwaitFake(bool (*cond)(FakeRouter&)) {
+    absl::MutexLock l(&fake_.mu);
+    auto c = [this, cond]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(fake_.mu) { return cond(fake_); };
+    return fake_.mu.AwaitWithTimeout(absl::Condition(&c), kWait);
+  }
+
+  FakeRouter fake_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+};
+
+// One heartbeat timing out must not re-register: the router would drop the source's
+// index entries and in-flight decisions until the dump lands.
+TEST_F(EventPublisherTest, OneFailedHeartbeatDoesNotRegisterAgain) {
+  {
+    absl::MutexLock l(&fake_.mu);
+    fake_.fail_heartbeats = 1;  // the first heartbeat, right after Register
+  }
+  StartServer();
+  EventPublisher pub(Options(10));
+  pub.Start();
+  ASSERT_TRUE(AwaitFake([](FakeRouter& f) ABSL_NO_THREAD_SAFETY_ANALYSIS { return f.heartbeats >= 6; }));
+  absl::MutexLock l(&fake_.mu);
+  EXPECT_EQ(fake_.registers, 1);
+  EXPECT_EQ(fake_.streams, 1);
+  EXPECT_EQ(pub.registrations(), 1u);
+  EXPECT_EQ(pub.dumps_sent(), 1u);
+}
+
+// A router that stays unreachable for heartbeats is given up on: register + dump again.
+TEST_F(EventPublisherTest, RepeatedHeartbeatFailuresRegisterAgain) {
+  {
+    absl::MutexLock l(&fake_.mu);
+    fake_.fail_heartbeats = 3;
+  }
+  StartServer();
+  EventPublisherOptions o = Options(10);
+  o.max_heartbeat_failures = 3;
+  EventPublisher pub(std::move(o));
+  pub.Start();
+  ASSERT_TRUE(AwaitFake([](FakeRouter& f) ABSL_NO_THREAD_SAFETY_ANALYSIS { return f.registers >= 2; }));
+  ASSERT_TRUE(AwaitFake([](FakeRouter& f) ABSL_NO_THREAD_SAFETY_ANALYSIS { return f.heartbeats >= 6; }));
+  absl::MutexLock l(&fake_.mu);
+  EXPECT_EQ(fake_.registers, 2);  // once at start, once after the 3 failures
+}
+
+// full_dump_requested is answered with a full_dump batch on the open stream.
+TEST_F(EventPublisherTest, DumpRequestIsAnsweredOnTheOpenStream) {
+  {
+    absl::MutexLock l(&fake_.mu);
+    fake_.request_dump_at_heartbeat = 3;
+  }
+  StartServer();
+  EventPublisher pub(Options(10));
+  pub.Start();
+  ASSERT_TRUE(AwaitFake([](FakeRouter& f) ABSL_NO_THREAD_SAFETY_ANALYSIS { return f.full_dumps >= 2; }));
+  ASSERT_TRUE(AwaitFake([](FakeRouter& f) ABSL_NO_THREAD_SAFETY_ANALYSIS { return f.heartbeats >= 6; }));
+  absl::MutexLock l(&fake_.mu);
+  EXPECT_EQ(fake_.registers, 1);
+  EXPECT_EQ(fake_.streams, 1);
+  EXPECT_EQ(fake_.full_dumps, 2);
+  EXPECT_EQ(fake_.events, 20);
+  EXPECT_EQ(pub.dumps_sent(), 2u);
+}
+
+// A router that stops reading while a dump far larger than the HTTP/2 window is being
+// written: the publisher thread is stuck in Write, and destroying the publisher must
+// still return (worker shutdown must not hang on the router).
+TEST_F(EventPublisherTest, DestructorReturnsWhileWriteIsBlockedOnAStalledRouter) {
+  fake_.stop_reading = true;
+  StartServer();
+  auto pub = std::make_unique<EventPublisher>(Options(200000));  // ~17 MB of dump
+  pub->Start();
+  ASSERT_TRUE(AwaitFake([](FakeRouter& f) ABSL_NO_THREAD_SAFETY_ANALYSIS { return f.streams >= 1; }));
+  absl::Notification destroyed;
+  std::thread t([&] {
+    pub.reset();
+    destroyed.Notify();
+  });
+  const bool returned = destroyed.WaitForNotificationWithTimeout(kWait);
+  fake_.release.Notify();  // unblocks a publisher that did not return, so the test ends
+  t.join();
+  EXPECT_TRUE(returned) << "~EventPublisher waited on a router that stopped reading";
+}
+
+}  // namespace
+}  // namespace kvpool::router
