@@ -1,5 +1,8 @@
 #include "kvctl.h"
 
+#include <exception>
+#include <new>
+
 #include <CLI/CLI.hpp>
 
 namespace kvpool::kvctl {
@@ -22,6 +25,14 @@ int RunKvctl(const std::vector<std::string>& args, std::ostream& out, std::ostre
   } catch (const CLI::ParseError& e) {
     const int code = app.exit(e, out, err);
     return code == 0 ? 0 : 2;
+  } catch (const std::bad_alloc&) {
+    err << "kvctl: out of memory; check the sizes in the arguments and input (e.g. a trace's input_length)\n";
+    return 1;
+  } catch (const std::exception& e) {
+    // A command that throws (JSON of a non-UTF-8 path, a library error) fails cleanly
+    // instead of terminating the process.
+    err << "kvctl: " << e.what() << "\n";
+    return 1;
   }
   return io.exit_code;
 }

@@ -98,7 +98,8 @@ void RunLoad(LoadArgs a, Io& io) {
   }
   if (a.prompts < 1 || a.prompts > 65536) return fail("--prompts must be in [1, 65536]", 2);
   if (a.arrivals != "poisson" && a.arrivals != "fixed") return fail("--arrivals must be poisson or fixed", 2);
-  if (!(a.timeout_s > 0)) return fail("--timeout must be > 0 seconds", 2);
+  // Bounded so the deadline (now + timeout, in system_clock ticks) cannot overflow.
+  if (!(a.timeout_s > 0) || a.timeout_s > 3600) return fail("--timeout must be in (0, 3600] seconds", 2);
   if (a.sim_instances < 0 || a.sim_instances > 1024) return fail("--sim-instances must be in [0, 1024]", 2);
   auto spec = ResolveModelSpec(a.model);
   if (!spec.ok()) return fail(absl::StrCat("--model: ", spec.status().message()), 2);

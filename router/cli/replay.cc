@@ -218,7 +218,16 @@ void RunReplay(const ReplayArgs& a, Io& io) {
         if (stop.load()) return;
         const size_t i = next.fetch_add(1);
         if (i >= reqs.size()) return;
-        send(i);
+        // An exception must not escape a std::thread (std::terminate): record it instead.
+        try {
+          send(i);
+        } catch (const std::exception& e) {
+          records[i].sent = true;
+          records[i].ok = false;
+          records[i].error = absl::StrCat("replay: ", e.what());
+          records[i].error_kind = "replay exception";
+          ++errors;
+        }
         done.fetch_add(1);
       }
     });
@@ -394,8 +403,8 @@ void AddReplayCommands(CLI::App& app, Io& io) {
       ->check(CLI::NonNegativeNumber);
   c->add_option("--max-new-tokens", a->max_new_tokens, "Cap on generated tokens per request (default 16)")
       ->check(CLI::Range(1, 4096));
-  c->add_option("--trace-block-tokens", a->trace_block_tokens, "Tokens per trace hash id (default 512)")
-      ->check(CLI::PositiveNumber);
+  c->add_option("--trace-block-tokens", a->trace_block_tokens, "Tokens per trace hash id (default 512, at most 2^20)")
+      ->check(CLI::Range(int64_t{1}, trace::kMaxTraceBlockTokens));
   c->add_option("--progress-interval", a->progress_interval_s, "Seconds between progress lines off a terminal")
       ->check(CLI::PositiveNumber);
   c->add_flag("--strict", a->strict, "Fail on the first bad trace line instead of skipping it");

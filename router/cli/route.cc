@@ -95,7 +95,8 @@ void RunRoute(const RouteArgs& a, Io& io) {
   if (!r.ok()) {
     *io.err << "kvctl route: " << absl::StatusCodeToString(r.status().code()) << ": " << r.status().message()
             << "\n";
-    io.exit_code = 1;
+    // The router refused the request itself (bad model, block size, policy...): a bad argument.
+    io.exit_code = r.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
     return;
   }
   ordered_json j;

@@ -1,8 +1,7 @@
 // kvctl simulate: a discrete-event simulation of a prefill cluster over a Mooncake trace,
 // running the real router core and cache managers (kvpool::sim). --compare runs every
 // policy on the same trace and writes a table plus a gnuplot PNG chart.
-#include <cstdio>
-#include <cstdlib>
+#include <algorithm>
 #include <fstream>
 #include <iomanip>
 #include <memory>
@@ -11,6 +10,7 @@
 #include <CLI/CLI.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "chart.h"
 #include "format.h"
 #include "kvctl.h"
 #include "kvpool/common/units.h"
@@ -111,8 +111,14 @@ void PrintTable(const std::vector<sim::SimResult>& rs, std::ostream& out) {
   }
 }
 
-// Writes `<chart>.dat` and renders `<chart>` with gnuplot: mean TTFT and hit rate per policy.
-absl::Status WriteChart(const std::vector<sim::SimResult>& rs, const std::string& chart, const std::string& title) {
+// Writes `<chart>.dat` and `<chart>.gp` and renders `<chart>` with gnuplot (no shell; see
+// chart.h): mean TTFT and hit rate per policy.
+absl::Status WriteChart(const std::vector<sim::SimResult>& rs, const std::string& chart, std::string title) {
+  if (chart.find_first_of("\r\n") != std::string::npos) {
+    return absl::InvalidArgumentError("--chart: the path has a line break; gnuplot cannot write to it");
+  }
+  std::replace(title.begin(), title.end(), '\n', ' ');
+  std::replace(title.begin(), title.end(), '\r', ' ');
   const std::string dat = chart + ".dat";
   {
     std::ofstream f(dat);
@@ -128,29 +134,21 @@ absl::Status WriteChart(const std::vector<sim::SimResult>& rs, const std::string
     std::ofstream f(gp);
     if (!f) return absl::FailedPreconditionError(absl::StrCat("--chart: cannot write ", gp));
     f << "set terminal pngcairo size 1200,480 noenhanced\n"
-      << "set output '" << chart << "'\n"
-      << "set multiplot layout 1,2 title '" << title << "'\n"
+      << "set output " << GnuplotQuote(chart) << "\n"
+      << "set multiplot layout 1,2 title " << GnuplotQuote(title) << "\n"
       << "set style data histograms\nset style histogram clustered gap 1\nset style fill solid 0.8 border -1\n"
       << "set boxwidth 0.9\nset xtics rotate by -30\nset grid ytics\nset key top left\n"
       << "set title 'TTFT per policy'\nset ylabel 'seconds'\nset yrange [0:*]\nset key top right\n"
-      << "plot '" << dat << "' using 2:xtic(1) title 'mean', '' using 3 title 'p50'\n"
+      << "plot " << GnuplotQuote(dat) << " using 2:xtic(1) title 'mean', '' using 3 title 'p50'\n"
       << "set title 'prefix hit rate per policy (upper bound " << Fixed(rs.empty() ? 0 : rs[0].upper_bound, 3)
       << ")'\nset ylabel 'share of prompt tokens'\nset yrange [0:1]\nset key top left\n"
       << "set style histogram rowstacked\n"
-      << "plot '" << dat << "' using 5:xtic(1) title 'GPU', '' using 6 title 'pool', "
+      << "plot " << GnuplotQuote(dat) << " using 5:xtic(1) title 'GPU', '' using 6 title 'pool', "
       << (rs.empty() ? 0 : rs[0].upper_bound) << " with lines lw 2 title 'upper bound'\n"
       << "unset multiplot\n";
   }
-  const std::string cmd = absl::StrCat("gnuplot '", gp, "' 2>&1");
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return absl::UnavailableError("cannot run gnuplot; install gnuplot-nox");
-  std::string output;
-  char buf[256];
-  while (fgets(buf, sizeof buf, p) != nullptr) output += buf;
-  const int rc = pclose(p);
-  if (rc != 0) {
-    return absl::UnavailableError(absl::StrCat("gnuplot failed (exit ", rc, "): ", output,
-                                               "; is gnuplot-nox installed? The data is in ", dat));
+  if (absl::Status s = RunGnuplot(gp); !s.ok()) {
+    return absl::UnavailableError(absl::StrCat(s.message(), "; is gnuplot-nox installed? The data is in ", dat));
   }
   return absl::OkStatus();
 }
@@ -271,9 +269,17 @@ void AddSimulateCommands(CLI::App& app, Io& io) {
       ->check(CLI::PositiveNumber);
   c->add_option("--flops", a->flops, "Achieved prefill FLOP/s per instance (default 400T)");
   c->add_option("--pool-bandwidth", a->pool_bandwidth, "Pool fetch bandwidth per instance (default 25GB/s, RDMA)");
-  c->add_option("--trace-block-tokens", a->trace_block_tokens, "Tokens per trace hash id (default 512)")
-      ->check(CLI::PositiveNumber);
-  c->add_option("--limit", a->limit, "Use the first N requests only");
+  c->add_option("--trace-block-tokens", a->trace_block_tokens, "Tokens per trace hash id (default 512, at most 2^20)")
+      ->check(CLI::Range(int64_t{1}, trace::kMaxTraceBlockTokens));
+  // A size_t option would take "-1" as SIZE_MAX, i.e. silently "no limit".
+  c->add_option("--limit", a->limit, "Use the first N requests only (default 0 = all)")
+      ->check(CLI::Validator(
+          [](std::string& v) {
+            const size_t i = v.find_first_not_of(" \t");
+            return i != std::string::npos && v[i] == '-' ? absl::StrCat("must be >= 0 (0 = all requests), not ", v)
+                                                         : std::string();
+          },
+          "N >= 0"));
   c->add_flag("--strict", a->strict, "Fail on the first bad trace line instead of skipping it");
   c->add_flag("--compare", a->compare, "Run every policy and write a table and a PNG chart");
   c->add_option("--chart", a->chart, "PNG written by --compare (default kvctl-simulate.png)");

@@ -18,6 +18,15 @@ using nlohmann::json;
 
 absl::Status Bad(absl::string_view reason) { return absl::InvalidArgumentError(reason); }
 
+absl::Status CheckTraceBlockTokens(int64_t trace_block_tokens) {
+  if (trace_block_tokens <= 0 || trace_block_tokens > kMaxTraceBlockTokens) {
+    return absl::InvalidArgumentError(absl::StrCat("--trace-block-tokens=", trace_block_tokens,
+                                                   " must be in 1..", kMaxTraceBlockTokens,
+                                                   " (Mooncake traces use 512)"));
+  }
+  return absl::OkStatus();
+}
+
 // A JSON number that is a whole, non-negative value that fits int64 (3 and 3.0 both do).
 bool AsCount(const json& v, int64_t* out) {
   if (v.is_number_unsigned()) {
@@ -50,6 +59,7 @@ uint64_t Mix64(uint64_t x) {  // splitmix64's finalizer
 
 absl::StatusOr<TraceRequest> ParseTraceLine(absl::string_view line, int64_t line_no,
                                             int64_t trace_block_tokens) {
+  if (absl::Status s = CheckTraceBlockTokens(trace_block_tokens); !s.ok()) return s;
   json j;
   try {
     j = json::parse(line.begin(), line.end());
@@ -70,6 +80,10 @@ absl::StatusOr<TraceRequest> ParseTraceLine(absl::string_view line, int64_t line
   if (!AsCount(*in, &r.input_length) || r.input_length < 1) {
     return Bad(absl::StrCat("input_length=", in->dump(), " must be an integer >= 1"));
   }
+  if (r.input_length > kMaxTraceInputTokens) {
+    return Bad(absl::StrCat("input_length=", r.input_length, " is above the router's limit of ",
+                            kMaxTraceInputTokens, " prompt tokens per request; split or drop this request"));
+  }
   auto out = j.find("output_length");
   if (out == j.end()) return Bad("missing field output_length (generated tokens)");
   if (!AsCount(*out, &r.output_length)) {
@@ -86,7 +100,8 @@ absl::StatusOr<TraceRequest> ParseTraceLine(absl::string_view line, int64_t line
     }
     r.hash_ids.push_back(static_cast<uint64_t>(v));
   }
-  const int64_t want = (r.input_length + trace_block_tokens - 1) / trace_block_tokens;
+  // ceil without forming input_length + trace_block_tokens - 1 (no overflow for any sizes).
+  const int64_t want = r.input_length / trace_block_tokens + (r.input_length % trace_block_tokens != 0 ? 1 : 0);
   if (static_cast<int64_t>(r.hash_ids.size()) != want) {
     return Bad(absl::StrCat("hash_ids has ", r.hash_ids.size(), " entries but input_length=", r.input_length,
                             " needs ceil(", r.input_length, "/", trace_block_tokens, ")=", want,
@@ -96,10 +111,7 @@ absl::StatusOr<TraceRequest> ParseTraceLine(absl::string_view line, int64_t line
 }
 
 absl::StatusOr<Trace> ParseTrace(std::istream& in, const ParseOptions& options) {
-  if (options.trace_block_tokens <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("--trace-block-tokens=", options.trace_block_tokens,
-                                                   " must be > 0 (Mooncake traces use 512)"));
-  }
+  if (absl::Status s = CheckTraceBlockTokens(options.trace_block_tokens); !s.ok()) return s;
   Trace t;
   t.trace_block_tokens = options.trace_block_tokens;
   std::string line;
@@ -136,9 +148,7 @@ absl::StatusOr<Trace> LoadTrace(const std::string& path, const ParseOptions& opt
 // ---- block mapping and tokens ---------------------------------------------------------
 
 absl::StatusOr<BlockMapping> BlockMapping::Create(int64_t trace_block_tokens, int64_t cache_block_tokens) {
-  if (trace_block_tokens <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("--trace-block-tokens=", trace_block_tokens, " must be > 0"));
-  }
+  if (absl::Status s = CheckTraceBlockTokens(trace_block_tokens); !s.ok()) return s;
   if (cache_block_tokens <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("cache block_tokens=", cache_block_tokens, " must be > 0"));
   }

@@ -5,23 +5,14 @@
 #include <gtest/gtest.h>
 
 #include "kvctl.h"
+#include "run_cli.h"
 #include "nlohmann/json.hpp"
 
 namespace kvpool::kvctl {
 namespace {
 
-struct Result {
-  int code;
-  std::string out;
-  std::string err;
-};
-
-Result RunCli(std::vector<std::string> args) {
-  args.insert(args.begin(), "kvctl");
-  std::ostringstream out, err;
-  int code = RunKvctl(args, out, err);
-  return {code, out.str(), err.str()};
-}
+using cli_test::Result;
+using cli_test::RunCli;
 
 nlohmann::json Json(std::vector<std::string> args) {
   args.push_back("--json");

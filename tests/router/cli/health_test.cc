@@ -48,5 +48,14 @@ TEST(KvctlHealthTest, FailsForAClosedPort) {
   EXPECT_NE(e.str().find("not serving"), std::string::npos);
 }
 
+TEST(KvctlHealthTest, AbsurdWaitIsABadArgument) {
+  // --wait 1e19 used to overflow the conversion to milliseconds: one try, no wait.
+  for (const char* wait : {"1e19", "86401", "inf", "nan"}) {
+    std::ostringstream o, e;
+    EXPECT_EQ(RunKvctl({"kvctl", "health", "--addr", "127.0.0.1:1", "--wait", wait}, o, e), 2) << wait;
+    EXPECT_NE(e.str().find("--wait"), std::string::npos) << wait << ": " << e.str();
+  }
+}
+
 }  // namespace
 }  // namespace kvpool::kvctl

@@ -112,6 +112,13 @@ TEST(LoadArgsTest, RejectsPublicAddressesAndBadArguments) {
                              "--shared-prefix-tokens", "11"},
                             out, err),
             2);
+  // A timeout past the clock's range used to overflow duration_cast; refused before connecting.
+  for (const char* timeout : {"1e30", "3601", "inf", "nan"}) {
+    std::ostringstream o, e;
+    EXPECT_EQ(kvctl::RunKvctl({"kvctl", "load", "--router", "127.0.0.1:1", "--timeout", timeout}, o, e), 2)
+        << timeout;
+    EXPECT_TRUE(absl::StrContains(e.str(), "--timeout")) << timeout << ": " << e.str();
+  }
 }
 
 TEST(NetTest, AllowedHost) {

@@ -3,6 +3,7 @@
 #include "kvpool/router/trace.h"
 
 #include <cstdlib>
+#include <limits>
 #include <sstream>
 #include <string>
 
@@ -81,7 +82,12 @@ INSTANTIATE_TEST_SUITE_P(
         BadLine{"{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [-3]}",
                 "hash_ids[0]=-3"},
         BadLine{"{\"timestamp\": 0, \"input_length\": 1000, \"output_length\": 1, \"hash_ids\": [5]}",
-                "hash_ids has 1 entries but input_length=1000 needs ceil(1000/512)=2"}));
+                "hash_ids has 1 entries but input_length=1000 needs ceil(1000/512)=2"},
+        // Above the router's 2^24 prompt tokens: named before any token is synthesized.
+        BadLine{"{\"timestamp\": 0, \"input_length\": 16777217, \"output_length\": 1, \"hash_ids\": [5]}",
+                "input_length=16777217 is above the router's limit of 16777216"},
+        BadLine{"{\"timestamp\": 0, \"input_length\": 1099511627776, \"output_length\": 1, \"hash_ids\": [1]}",
+                "input_length=1099511627776 is above the router's limit"}));
 
 TEST(ParseTrace, TruncatedLastLineIsReported) {
   const Trace t = ParseOrDie(
@@ -122,6 +128,47 @@ TEST(ParseTrace, LimitAndBlockSize) {
   EXPECT_EQ(t512.issues.size(), 1u);
   std::istringstream in(lines);
   EXPECT_FALSE(ParseTrace(in, {.trace_block_tokens = 0}).ok());
+}
+
+TEST(ParseTrace, HugeInputLengthIsRejectedWithItsLineInStrictMode) {
+  // The repro of a kvctl abort: one trace block covering 2^40 tokens.
+  std::istringstream in(
+      "{\"timestamp\":0,\"input_length\":1099511627776,\"output_length\":1,\"hash_ids\":[1]}\n");
+  auto t = ParseTrace(in, {.trace_block_tokens = kMaxTraceBlockTokens, .strict = true});
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(t.status().message(), "line 1: input_length=1099511627776")) << t.status();
+  EXPECT_TRUE(absl::StrContains(t.status().message(), "split or drop")) << t.status();
+}
+
+TEST(ParseTrace, InputLengthAtTheLimitIsKept) {
+  // 2^24 tokens in 16 blocks of 2^20: both limits exactly.
+  std::string ids;
+  for (int i = 0; i < 16; ++i) ids += (i ? "," : "") + std::to_string(i);
+  const Trace t = ParseOrDie("{\"timestamp\": 0, \"input_length\": 16777216, \"output_length\": 1, \"hash_ids\": [" +
+                                 ids + "]}\n",
+                             {.trace_block_tokens = kMaxTraceBlockTokens});
+  ASSERT_EQ(t.requests.size(), 1u);
+  EXPECT_EQ(t.requests[0].input_length, kMaxTraceInputTokens);
+}
+
+TEST(ParseTrace, TraceBlockTokensIsBounded) {
+  const std::string line = "{\"timestamp\": 0, \"input_length\": 2, \"output_length\": 1, \"hash_ids\": [1]}\n";
+  for (int64_t bad : {int64_t{0}, kMaxTraceBlockTokens + 1, int64_t{1} << 40,
+                      std::numeric_limits<int64_t>::max()}) {
+    std::istringstream in(line);
+    auto t = ParseTrace(in, {.trace_block_tokens = bad});
+    ASSERT_FALSE(t.ok()) << bad;
+    EXPECT_TRUE(absl::StrContains(t.status().message(), "--trace-block-tokens=")) << t.status();
+    EXPECT_TRUE(absl::StrContains(t.status().message(), "must be in 1..1048576")) << t.status();
+    // The line parser checks it too (it used to compute input_length + trace_block_tokens - 1,
+    // which overflows int64 for INT64_MAX).
+    auto r = ParseTraceLine(line, 1, bad);
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_TRUE(absl::StrContains(r.status().message(), "--trace-block-tokens=")) << r.status();
+    EXPECT_FALSE(BlockMapping::Create(bad, 16).ok()) << bad;
+  }
+  EXPECT_TRUE(ParseTraceLine(line, 1, kMaxTraceBlockTokens).ok());
 }
 
 TEST(LoadTrace, MissingFileIsNotFound) {

@@ -54,6 +54,12 @@
 namespace kvpool::trace {
 
 inline constexpr int64_t kDefaultTraceBlockTokens = 512;
+// Largest --trace-block-tokens accepted (Mooncake traces use 512).
+inline constexpr int64_t kMaxTraceBlockTokens = int64_t{1} << 20;
+// Largest input_length accepted: the router's limit on a Route's token ids
+// (kvpool.v1.RouteRequest.tokens: 1..2^24). A longer prompt could never be routed, and
+// synthesizing its tokens (SynthesizeTokens) would allocate without bound.
+inline constexpr int64_t kMaxTraceInputTokens = int64_t{1} << 24;
 
 struct TraceRequest {
   int64_t line = 0;          // 1-based line in the file
@@ -70,7 +76,7 @@ struct TraceIssue {
 };
 
 struct ParseOptions {
-  int64_t trace_block_tokens = kDefaultTraceBlockTokens;  // > 0
+  int64_t trace_block_tokens = kDefaultTraceBlockTokens;  // 1..kMaxTraceBlockTokens
   bool strict = false;  // the first bad line fails the parse (INVALID_ARGUMENT, with its line)
   size_t limit = 0;     // keep at most this many requests; 0 = all
 };
@@ -82,7 +88,8 @@ struct Trace {
   int64_t trace_block_tokens = kDefaultTraceBlockTokens;
 };
 
-// Parses one line (without its newline). INVALID_ARGUMENT names the field and the fix.
+// Parses one line (without its newline). INVALID_ARGUMENT names the field and the fix:
+// input_length must be 1..kMaxTraceInputTokens, trace_block_tokens 1..kMaxTraceBlockTokens.
 absl::StatusOr<TraceRequest> ParseTraceLine(absl::string_view line, int64_t line_no,
                                             int64_t trace_block_tokens);
 // Parses a whole stream. Only strict mode (or bad options) makes this fail; otherwise
@@ -94,7 +101,8 @@ absl::StatusOr<Trace> LoadTrace(const std::string& path, const ParseOptions& opt
 // Trace blocks -> whole cache blocks (see the header comment).
 class BlockMapping {
  public:
-  // Both sizes > 0; INVALID_ARGUMENT names the flag otherwise.
+  // trace_block_tokens in 1..kMaxTraceBlockTokens, cache_block_tokens > 0;
+  // INVALID_ARGUMENT names the flag otherwise.
   static absl::StatusOr<BlockMapping> Create(int64_t trace_block_tokens, int64_t cache_block_tokens);
 
   int64_t trace_block_tokens() const { return trace_; }
@@ -118,6 +126,8 @@ class BlockMapping {
 // a mix of both, reduced modulo `vocab_size` (> 0).
 TokenId SyntheticToken(uint64_t hash_id, int64_t offset, uint32_t vocab_size);
 // The request's `input_length` prompt tokens: token p = SyntheticToken(hash_ids[p / T], p % T).
+// REQUIRES: request.input_length <= kMaxTraceInputTokens (ParseTrace guarantees it); one
+// vector of that many tokens is allocated.
 std::vector<TokenId> SynthesizeTokens(const TraceRequest& request, int64_t trace_block_tokens,
                                       uint32_t vocab_size);
 // The cache's chained block hashes of the synthesized prompt (full cache blocks only).
