@@ -54,12 +54,18 @@ absl::StatusOr<uint64_t> ParseBytes(absl::string_view text, absl::string_view fi
     return absl::InvalidArgumentError(absl::StrCat(
         field, "='", text, "' is not a size; write bytes like 4096, 64GiB or 1.5e9"));
   }
-  const double bytes = v * mult;
-  if (bytes < 0 || bytes > 1.8e19) {
+  // Rounded to whole bytes first: 2^64 itself does not fit (and llround, signed, wrapped
+  // everything from 2^63 up to 9223372036854775808).
+  const double bytes = std::nearbyint(v * mult);
+  if (!(bytes >= 0) || bytes >= 0x1p64) {
     return absl::InvalidArgumentError(
-        absl::StrCat(field, "='", text, "' must be a non-negative size below 16 EiB"));
+        absl::StrCat(field, "='", text, "' must be a non-negative size below 16 EiB (2^64 bytes)"));
   }
-  return static_cast<uint64_t>(std::llround(bytes));
+  if (bytes == 0 && v * mult > 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, "='", text, "' is less than one byte; write a whole number of bytes"));
+  }
+  return static_cast<uint64_t>(bytes);
 }
 
 absl::StatusOr<double> ParseRate(absl::string_view text, absl::string_view field) {
@@ -75,6 +81,9 @@ absl::StatusOr<double> ParseRate(absl::string_view text, absl::string_view field
   }
   if (!(v > 0)) {
     return absl::InvalidArgumentError(absl::StrCat(field, "='", text, "' must be > 0"));
+  }
+  if (!std::isfinite(v * mult)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, "='", text, "' is too large to be a bandwidth"));
   }
   return v * mult;
 }

@@ -25,6 +25,25 @@ TEST(UnitsTest, ErrorsNameTheField) {
   EXPECT_FALSE(ParseNumber("4X", "--flops").ok());
 }
 
+// Sizes from 2^63 up used to go through llround (signed) and all came back as 2^63.
+TEST(UnitsTest, SizesNearAndAbove64BitsAreExactOrRefused) {
+  EXPECT_EQ(*ParseBytes("9.3e18", "--x"), 9300000000000000000ull);
+  EXPECT_EQ(*ParseBytes("1e19", "--x"), 10000000000000000000ull);
+  EXPECT_EQ(ParseBytes("15EB", "--x").status().code(), absl::StatusCode::kInvalidArgument);  // no EB unit
+  EXPECT_EQ(*ParseBytes("1.8e19", "--x"), 18000000000000000000ull);
+  for (const char* big : {"1.85e19", "18446744073709551616", "16384PiB", "1e300"}) {
+    auto r = ParseBytes(big, "--dram");
+    ASSERT_FALSE(r.ok()) << big << " -> " << *r;
+    EXPECT_NE(r.status().message().find("--dram"), absl::string_view::npos);
+  }
+  EXPECT_EQ(*ParseBytes("16383TiB", "--x"), 16383ull << 40);
+  EXPECT_EQ(*ParseBytes("1.5KiB", "--x"), 1536u);
+  EXPECT_EQ(*ParseBytes("0", "--x"), 0u);
+  EXPECT_FALSE(ParseBytes("0.4", "--x").ok());        // less than a byte, not 0
+  EXPECT_FALSE(ParseBytes("1e-300GiB", "--x").ok());
+  EXPECT_FALSE(ParseRate("1e300TB/s", "--bandwidth").ok());  // inf
+}
+
 TEST(UnitsTest, Formats) {
   EXPECT_EQ(FormatBytes(327680), "320.00 KiB");
   EXPECT_EQ(FormatBytes(3 * 1024 * 1024), "3.00 MiB");
