@@ -182,8 +182,7 @@ launch() {  # launch <name> <address> <binary> args...
   {
     echo "# $(date -u +%FT%TZ) $bin $*"
   } > "$RUN_DIR/$name.log"
-  # stdin from /dev/null; own log; SIGINT of an interactive Ctrl-C reaches the caller,
-  # whose trap runs `stop`.
+  # stdin from /dev/null; own log. A Ctrl-C while starting runs do_start's trap (`stop`).
   "$bin" "$@" < /dev/null >> "$RUN_DIR/$name.log" 2>&1 &
   echo $! > "$RUN_DIR/$name.pid"
 }
@@ -238,6 +237,10 @@ do_start() {
   done
   rm -f "$RUN_DIR/cluster.manifest"
   echo "kvpool local cluster in $RUN_DIR (binaries from $BIN_DIR, model $MODEL)"
+  # Interrupted (Ctrl-C, kill) while starting: stop what was started. The servers run in
+  # the background of a non-interactive shell, which ignores SIGINT for them, so nobody
+  # else would.
+  trap 'echo "cluster.sh: interrupted; stopping what was started" >&2; do_stop >&2; exit 130' INT TERM
 
   # The router's cost model must know these workers are CPUs computing tiny models
   # (~1e10 FLOP/s effective, attention included), not 400 TFLOP/s GPUs; otherwise it
@@ -272,6 +275,7 @@ do_start() {
     launch "$name" "$addr" "$WORKER_BIN" "${args[@]}"
   done
   for ((i = 0; i < WORKERS; i++)); do wait_healthy "worker-$i" "$HOST:$((BASE_PORT + 20 + i))"; done
+  trap - INT TERM
   echo "cluster up: router $ROUTER_ADDR, ${POOL_NODES} pool node(s), ${WORKERS} worker(s)"
   echo "  $KVCTL status --router $ROUTER_ADDR"
   echo "  $0 stop --dir $RUN_DIR"

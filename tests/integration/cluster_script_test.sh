@@ -85,7 +85,35 @@ check() {
   echo "ok: workers=$workers"
 }
 
+# A start that is interrupted (SIGTERM; Ctrl-C's SIGINT takes the same trap) stops what
+# it had started: no server is left running and no pid file stays.
+check_interrupted_start() {
+  local base script_pid pids=() i
+  base="$(pick_base)" || fail "no free base port"
+  echo "== cluster.sh start, interrupted once the router runs"
+  bash "$CLUSTER" start --dir "$RUN_DIR" --bin-dir "$BIN" --base-port "$base" --workers 0 \
+    --num-blocks 128 --dram 16MiB --nvme 32MiB > "$RUN_DIR/interrupted.out" 2>&1 &
+  script_pid=$!
+  for ((i = 0; i < 300; i++)); do
+    [[ -s "$RUN_DIR/router.pid" ]] && break
+    sleep 0.1
+  done
+  [[ -s "$RUN_DIR/router.pid" ]] || fail "the router was not started: $(cat "$RUN_DIR/interrupted.out")"
+  for f in "$RUN_DIR"/*.pid; do pids+=("$(cat "$f")"); done
+  kill -TERM "$script_pid"
+  wait "$script_pid" && fail "an interrupted start exited 0"
+  grep -q "interrupted; stopping" "$RUN_DIR/interrupted.out" || fail "no interruption message: $(cat "$RUN_DIR/interrupted.out")"
+  for p in "${pids[@]}"; do
+    if kill -0 "$p" 2>/dev/null && [[ "$(awk '{print $3}' "/proc/$p/stat" 2>/dev/null)" != Z ]]; then
+      fail "pid $p still running after an interrupted start"
+    fi
+  done
+  ! compgen -G "$RUN_DIR/*.pid" >/dev/null || fail "pid files left: $(ls "$RUN_DIR"/*.pid)"
+  echo "ok: interrupted start"
+}
+
 check 0
+check_interrupted_start
 if [[ ! -x "$WORKER_BIN" ]]; then
   echo "SKIP: $WORKER_BIN is not built; only router + pool nodes were checked"
   exit 77
