@@ -82,6 +82,7 @@ class PoolCore::Impl {
   std::unique_ptr<NvmeStore> nvme_;  // set at Create, then immutable
 
   mutable absl::Mutex mu_;
+  std::string node_id_ ABSL_GUARDED_BY(mu_);  // options.node_id until SetNodeId
   absl::flat_hash_map<ObjectKey, std::unique_ptr<Object>> objects_ ABSL_GUARDED_BY(mu_);
   // (parent hash, kind) -> child hashes of committed objects (parent may be absent).
   absl::flat_hash_map<ObjectKey, absl::flat_hash_set<BlockHash>> children_ ABSL_GUARDED_BY(mu_);

@@ -11,7 +11,7 @@
 namespace kvpool::pool_node {
 
 PoolCore::Impl::Impl(PoolCore* core, const PoolOptions& o)
-    : core_(core), opt_(o), clock_(o.clock ? o.clock : SystemClock()), page_bytes_(o.page_bytes) {}
+    : core_(core), opt_(o), clock_(o.clock ? o.clock : SystemClock()), page_bytes_(o.page_bytes), node_id_(o.node_id) {}
 
 Object* PoolCore::Impl::Find(const ObjectKey& k) {
   auto it = objects_.find(k);

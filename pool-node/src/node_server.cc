@@ -3,7 +3,13 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <atomic>
+#include <cstdint>
+#include <fstream>
 #include <iostream>
 #include <thread>
 
@@ -21,6 +27,57 @@
 #include "spdlog/spdlog.h"
 
 namespace kvpool::pool_node {
+
+namespace {
+// The first number in `path` (0 when unreadable), times `unit`.
+uint64_t ReadNumber(const char* path, const char* key, uint64_t unit) {
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (key != nullptr && line.rfind(key, 0) != 0) continue;
+    const size_t at = line.find_first_of("0123456789");
+    if (at == std::string::npos) return 0;
+    uint64_t v = 0;
+    try {
+      v = std::stoull(line.substr(at));
+    } catch (...) {
+      return 0;
+    }
+    return v > UINT64_MAX / unit ? UINT64_MAX : v * unit;
+  }
+  return 0;
+}
+}  // namespace
+
+HostMemory ReadHostMemory() {
+  HostMemory h;
+  h.mem_total = ReadNumber("/proc/meminfo", "MemTotal:", 1024);  // "MemTotal: N kB"
+  const uint64_t shmmax = ReadNumber("/proc/sys/kernel/shmmax", nullptr, 1);
+  const uint64_t shmall = ReadNumber("/proc/sys/kernel/shmall", nullptr, static_cast<uint64_t>(sysconf(_SC_PAGESIZE)));
+  h.sysv_max = std::min(shmmax, shmall);
+  struct statvfs vfs;
+  if (statvfs("/dev/shm", &vfs) == 0) h.shm_free = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+  return h;
+}
+
+absl::Status CheckDramFitsHost(uint64_t dram_bytes, const HostMemory& host) {
+  if (host.mem_total != 0 && dram_bytes > host.mem_total) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--dram=", dram_bytes, " (", FormatBytes(static_cast<double>(dram_bytes)),
+        ") exceeds this host's memory, MemTotal=", host.mem_total, " (",
+        FormatBytes(static_cast<double>(host.mem_total)), "); give a smaller --dram"));
+  }
+  // Above the sysv limit UCX falls back to a file in /dev/shm, which must then hold it.
+  if (dram_bytes > host.sysv_max && host.shm_free && dram_bytes > *host.shm_free) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--dram=", dram_bytes, " (", FormatBytes(static_cast<double>(dram_bytes)),
+        ") exceeds the sysv shared-memory limit (", host.sysv_max,
+        " bytes, kernel.shmmax/shmall) and the free space of /dev/shm (", *host.shm_free, " bytes, ",
+        FormatBytes(static_cast<double>(*host.shm_free)),
+        "); give a smaller --dram, or raise kernel.shmmax and kernel.shmall"));
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<NodeConfig> ParseNodeFlags(int argc, char** argv) {
   NodeConfig cfg;
@@ -51,6 +108,7 @@ absl::StatusOr<NodeConfig> ParseNodeFlags(int argc, char** argv) {
     return absl::InvalidArgumentError(absl::StrCat(e.what(), "; see --help"));
   }
   ASSIGN_OR_RETURN(cfg.pool.dram_bytes, ParseBytes(dram, "--dram"));
+  RETURN_IF_ERROR(CheckDramFitsHost(cfg.pool.dram_bytes, ReadHostMemory()));
   ASSIGN_OR_RETURN(cfg.pool.page_bytes, ParseBytes(page, "--page-bytes"));
   ASSIGN_OR_RETURN(cfg.pool.nvme_bytes, ParseBytes(nvme, "--nvme"));
   ASSIGN_OR_RETURN(cfg.pool.dram_quota_bytes[0], ParseBytes(quota_kv, "--quota-attn-kv"));
@@ -124,7 +182,8 @@ absl::StatusOr<std::unique_ptr<NodeServer>> NodeServer::Start(NodeConfig config)
   // when both are done, i.e. thread churn during every pipelined Put.
   builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MIN_POLLERS, 2);
   builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MAX_POLLERS, 4);
-  if (po.node_id == "pool-node" || po.node_id.empty()) po.node_id = "pool-node";
+  // Without --node-id the node is named pool-<port> once the port is bound (below).
+  const bool default_id = po.node_id.empty() || po.node_id == PoolOptions{}.node_id;
   if (!s.cfg.router.empty()) {
     // The advertised port is filled in once the server has bound it (--listen=host:0).
     s.publisher = std::make_unique<RouterPublisher>(s.cfg.router, po.node_id, s.cfg.advertise,
@@ -141,7 +200,14 @@ absl::StatusOr<std::unique_ptr<NodeServer>> NodeServer::Start(NodeConfig config)
     return absl::UnavailableError(absl::StrCat("cannot listen on --listen=", s.cfg.listen,
                                                "; is the port in use?"));
   }
-  if (s.publisher) s.publisher->Start(s.core.get(), AdvertiseAddress(s.cfg.listen, s.cfg.advertise, s.port));
+  if (default_id) {
+    po.node_id = absl::StrCat("pool-", s.port);
+    s.core->SetNodeId(po.node_id);
+    s.service->SetNodeId(po.node_id);
+  }
+  if (s.publisher) {
+    s.publisher->Start(s.core.get(), AdvertiseAddress(s.cfg.listen, s.cfg.advertise, s.port), po.node_id);
+  }
   PoolCore* core = s.core.get();
   MetricsRegistry* reg = &s.metrics;
   s.metrics.AddScrapeHook([core, reg] {

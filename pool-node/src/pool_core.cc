@@ -613,7 +613,7 @@ PoolStatsSnapshot PoolCore::Stats() const {
   Impl& im = *impl_;
   absl::MutexLock l(&im.mu_);
   PoolStatsSnapshot s;
-  s.node_id = options_.node_id;
+  s.node_id = im.node_id_;
   s.has_nvme = im.nvme_ != nullptr;
   for (int t = 0; t < kNumTiers; ++t) {
     auto& ts = s.tiers[t];
@@ -657,8 +657,18 @@ void PoolCore::ForEachVisible(
   }
 }
 
+void PoolCore::SetNodeId(std::string node_id) {
+  absl::MutexLock l(&impl_->mu_);
+  impl_->node_id_ = std::move(node_id);
+}
+
 std::string PoolCore::DescribeConfig() const {
-  std::string s = absl::StrCat("kvpool-node ", options_.node_id, "\n");
+  std::string node_id;
+  {
+    absl::MutexLock l(&impl_->mu_);
+    node_id = impl_->node_id_;
+  }
+  std::string s = absl::StrCat("kvpool-node ", node_id, "\n");
   absl::StrAppend(&s, "  page bytes   ", page_bytes_, "\n");
   absl::StrAppend(&s, "  DRAM tier    ", dram_pages_, " pages = ", arena_bytes(), " bytes (",
                   FormatBytes(static_cast<double>(arena_bytes())), ")\n");

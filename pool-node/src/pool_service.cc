@@ -85,7 +85,7 @@ void BlockingPool::Run(std::function<void()> fn) {
 }
 
 PoolNodeService::PoolNodeService(PoolCore* core, ConnectInfo info, MetricsRegistry* metrics)
-    : core_(core), info_(std::move(info)), metrics_(metrics), blocking_(std::make_unique<BlockingPool>(4)) {
+    : core_(core), info_(std::move(info)), node_id_(info_.node_id), metrics_(metrics), blocking_(std::make_unique<BlockingPool>(4)) {
   lookup_seconds_ = &metrics_->GetHistogram("kvpool_pool_lookup_seconds", "Lookup handling time",
                                             Histogram::ExponentialBounds(1e-5, 2, 20));
   for (int m = 0; m < kNumMethods; ++m) {
@@ -130,7 +130,10 @@ grpc::Status PoolNodeService::DoConnect(const v1::ConnectRequest* req, v1::Conne
                               "ucx_worker_address is ", req->ucx_worker_address().size(),
                               " bytes; pass the client's UCX worker address (1 byte..64 KiB)")));
   }
-  resp->set_node_id(info_.node_id);
+  {
+    absl::MutexLock l(&node_id_mu_);
+    resp->set_node_id(node_id_);
+  }
   resp->set_ucx_worker_address(info_.ucx_worker_address);
   resp->set_arena_rkey(info_.arena_rkey);
   resp->set_arena_descriptor(info_.arena_descriptor);

@@ -74,6 +74,11 @@ class PoolNodeService final : public PoolNodeServiceBase {
                                      v1::PoolStats*) override;
   // Answers the Lookups still waiting for NVMe reads and stops their threads.
   void Drain() { blocking_.reset(); }
+  // What Connect answers as node_id from now on (NodeServer: pool-<port> once bound).
+  void SetNodeId(std::string node_id) {
+    absl::MutexLock l(&node_id_mu_);
+    node_id_ = std::move(node_id);
+  }
 
  private:
   grpc::Status DoConnect(const v1::ConnectRequest* req, v1::ConnectResponse* resp);
@@ -85,7 +90,9 @@ class PoolNodeService final : public PoolNodeServiceBase {
   grpc::Status Done(Method method, const absl::Status& s);
 
   PoolCore* core_;
-  const ConnectInfo info_;
+  const ConnectInfo info_;  // node_id unused: see node_id_
+  mutable absl::Mutex node_id_mu_;
+  std::string node_id_ ABSL_GUARDED_BY(node_id_mu_);
   MetricsRegistry* metrics_;
   Histogram* lookup_seconds_;
   // kvpool_pool_rpcs_total{code="OK"} per method, looked up once: the registry's lookup

@@ -29,10 +29,12 @@ RouterPublisher::RouterPublisher(std::string router_address, std::string source_
 
 RouterPublisher::~RouterPublisher() = default;
 
-void RouterPublisher::Start(const PoolCore* core, const std::string& advertise) {
+void RouterPublisher::Start(const PoolCore* core, const std::string& advertise,
+                            const std::string& source_id) {
   core_ = core;
   router::EventPublisherOptions o = opts_;
   o.registration.set_address(advertise);
+  o.registration.set_source_id(source_id);
   o.dump = [this] {
     std::vector<v1::KvEvent> dump;
     core_->ForEachVisible([&](const ObjectKey& k, const std::optional<BlockHash>& parent, Tier t) {

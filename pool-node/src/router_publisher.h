@@ -25,8 +25,9 @@ class RouterPublisher : public EventSink {
                   uint64_t capacity_pages);
   ~RouterPublisher() override;
 
-  // `advertise`: the node's gRPC address as the router should dial it.
-  void Start(const PoolCore* core, const std::string& advertise);
+  // `advertise`: the node's gRPC address as the router should dial it; `source_id`: the
+  // node id registered with the router (replaces the constructor's).
+  void Start(const PoolCore* core, const std::string& advertise, const std::string& source_id);
   void OnStored(const ObjectKey& key, const std::optional<BlockHash>& parent, Tier tier) override;
   void OnRemoved(const ObjectKey& key, Tier tier) override;
 

@@ -34,6 +34,7 @@ class RecordingRouter final : public v1::Router::Service {
     absl::MutexLock l(&mu_);
     ++registrations_;
     kind_ = req->kind();
+    source_ids_.push_back(req->source_id());
     resp->set_heartbeat_interval_ms(100);
     resp->set_next_sequence(1);
     return grpc::Status::OK;
@@ -73,11 +74,19 @@ class RecordingRouter final : public v1::Router::Service {
     absl::MutexLock l(&mu_);
     return registrations_;
   }
+  // Waits (bounded) until some source registered; returns the source ids so far.
+  std::vector<std::string> WaitForRegistration() {
+    absl::MutexLock l(&mu_);
+    auto cond = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !source_ids_.empty(); };
+    mu_.AwaitWithTimeout(absl::Condition(&cond), absl::Seconds(30));
+    return source_ids_;
+  }
 
  private:
   absl::Mutex mu_;
   std::vector<v1::EventBatch> batches_ ABSL_GUARDED_BY(mu_);
   int registrations_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::string> source_ids_ ABSL_GUARDED_BY(mu_);
   v1::SourceKind kind_ ABSL_GUARDED_BY(mu_) = v1::SOURCE_KIND_UNSPECIFIED;
   bool ask_dump_ ABSL_GUARDED_BY(mu_) = false;
 };
@@ -153,6 +162,20 @@ class ServiceTest : public ::testing::Test {
   }
   // A parent-linked chain staged from local page 0 of `base`: item i holds
   // Pattern(seed + i, lengths[i]) and is keyed H(key + i).
+  // A second client on this fixture's worker and arena, cutting Puts into pieces of
+  // `pipeline_bytes`.
+  std::unique_ptr<PoolClient> ConnectPipelined(const std::string& client_id, uint64_t pipeline_bytes) {
+    PoolClientOptions o;
+    o.node_address = address_;
+    o.client_id = client_id;
+    o.worker = worker_.get();
+    o.local_arena = arena_;
+    o.put_pipeline_bytes = pipeline_bytes;
+    auto client = PoolClient::Connect(o);
+    EXPECT_TRUE(client.ok()) << client.status();
+    return client.ok() ? std::move(*client) : nullptr;
+  }
+
   std::vector<PutItem> StageChain(uint64_t seed, uint64_t key, const std::vector<uint64_t>& lengths,
                                   std::byte* base = nullptr) {
     std::vector<PutItem> items;
@@ -192,36 +215,30 @@ class ServiceTest : public ::testing::Test {
 // pieces; every item lands byte-exact, a repeat finds them present, and ReleaseAsync
 // ends the lease (the client waits for it when destroyed).
 TEST_F(ServiceTest, PipelinedPutAcrossPiecesAndAsyncReleaseAreByteExact) {
-  PoolClientOptions o;
-  o.node_address = address_;
-  o.client_id = "pipelined";
-  o.worker = worker_.get();
-  o.local_arena = arena_;
-  o.put_pipeline_bytes = 100'000;  // a piece every one or two items
-  auto client = PoolClient::Connect(o);
-  ASSERT_TRUE(client.ok()) << client.status();
+  auto client = ConnectPipelined("pipelined", 100'000);  // a piece every one or two items
+  ASSERT_NE(client, nullptr);
   const std::vector<uint64_t> lengths = {65'536, 1, 150'001, 99'999, 131'072, 7, 200'000, 40'000};
   const std::vector<PutItem> items = StageChain(100, 500, lengths);
-  auto put = (*client)->Put(items);
+  auto put = client->Put(items);
   ASSERT_TRUE(put.ok()) << put.status();
   ASSERT_EQ(put->size(), items.size());
   for (const auto& s : *put) EXPECT_TRUE(s.ok()) << s;
-  auto again = (*client)->Put(items);
+  auto again = client->Put(items);
   ASSERT_TRUE(again.ok()) << again.status();
   for (const auto& s : *again) EXPECT_TRUE(s.ok()) << s;
 
   std::vector<BlockHash> chain;
   for (size_t i = 0; i < lengths.size(); ++i) chain.push_back(H(500 + i));
-  auto lease = (*client)->Lookup(chain);
+  auto lease = client->Lookup(chain);
   ASSERT_TRUE(lease.ok()) << lease.status();
   ASSERT_EQ(lease->prefix_blocks, lengths.size());
   const std::vector<std::vector<uint64_t>> dst = Destinations(*lease, 128);
-  ASSERT_TRUE((*client)->Get(*lease, dst).ok());
+  ASSERT_TRUE(client->Get(*lease, dst).ok());
   for (size_t i = 0; i < lengths.size(); ++i) {
     EXPECT_TRUE(LocalBytes(dst[i], lengths[i]) == Pattern(100 + i, lengths[i])) << "item " << i;
   }
-  (*client)->ReleaseAsync(lease->lease_id);
-  client->reset();  // waits for the release's answer
+  client->ReleaseAsync(lease->lease_id);
+  client.reset();  // waits for the release's answer
   auto stats = client_->GetStats();
   ASSERT_TRUE(stats.ok()) << stats.status();
   EXPECT_EQ(stats->active_leases(), 0u);
@@ -569,6 +586,104 @@ TEST_F(ServiceTest, CorruptedPieceOfAPipelinedPutIsDroppedAndItsPagesFreed) {
   if (first->lease_id != 0) {
     EXPECT_TRUE(client_->Release(first->lease_id).ok());
   }
+}
+
+// A pipelined Put whose second piece cannot be reserved (larger than the node's whole
+// DRAM tier) fails; the pieces reserved ahead of it are ended by the client at once
+// (empty Commits), not left pinned until reserve_timeout (30 s here, far beyond the test).
+TEST_F(ServiceTest, FailedPipelinedPutEndsTheReservationsItMadeAhead) {
+  auto client = ConnectPipelined("failing-put", 100'000);  // one piece per item
+  ASSERT_NE(client, nullptr);
+  const uint64_t too_big = 80 * kNodePage;  // the node holds 64 pages
+  const std::vector<PutItem> items = StageChain(700, 700, {100'000, too_big, 100'000, 100'000});
+  auto put = client->Put(items);
+  EXPECT_FALSE(put.ok());
+
+  auto stats = client_->GetStats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->pending_reservations(), 0u);
+  EXPECT_EQ(stats->reserved_bytes(), 0u);
+  EXPECT_EQ(node_->core().Stats().pending_reservations, 0u);
+}
+
+// A --dram the host cannot back is refused up front, naming --dram and the limit; it
+// used to hang startup while UCX filled a file in /dev/shm.
+TEST(DramCheck, RefusesWhatTheHostCannotBack) {
+  constexpr uint64_t G = uint64_t{1} << 30;
+  const HostMemory host{/*mem_total=*/23 * G, /*sysv_max=*/8 * G, /*shm_free=*/12 * G};
+  EXPECT_TRUE(CheckDramFitsHost(4 * G, host).ok());
+  EXPECT_TRUE(CheckDramFitsHost(8 * G, host).ok());   // sysv holds it
+  EXPECT_TRUE(CheckDramFitsHost(12 * G, host).ok());  // the /dev/shm fallback holds it
+  const absl::Status over_shm = CheckDramFitsHost(16 * G, host);
+  EXPECT_EQ(over_shm.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(over_shm.message()), ::testing::HasSubstr("--dram="));
+  EXPECT_THAT(std::string(over_shm.message()), ::testing::HasSubstr("/dev/shm"));
+  const absl::Status over_ram = CheckDramFitsHost(64 * G, host);
+  EXPECT_EQ(over_ram.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(over_ram.message()), ::testing::HasSubstr("MemTotal"));
+  // sysv large enough: /dev/shm does not matter, MemTotal still does.
+  const HostMemory big_sysv{23 * G, UINT64_MAX, 1 * G};
+  EXPECT_TRUE(CheckDramFitsHost(16 * G, big_sysv).ok());
+  EXPECT_FALSE(CheckDramFitsHost(24 * G, big_sysv).ok());
+}
+
+TEST(DramCheck, FlagParsingRefusesAnAbsurdDram) {
+  std::vector<std::string> args = {"kvpool-node", "--dram=4096TiB"};
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  auto cfg = ParseNodeFlags(static_cast<int>(argv.size()), argv.data());
+  ASSERT_FALSE(cfg.ok());
+  EXPECT_EQ(cfg.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(cfg.status().message()), ::testing::HasSubstr("--dram="));
+  EXPECT_THAT(std::string(cfg.status().message()), ::testing::HasSubstr("MemTotal"));
+  EXPECT_GT(ReadHostMemory().mem_total, 0u);
+}
+
+// Without a node id a node is named pool-<its bound port> (as --help says), in its
+// GetStats and Connect answers and in its router registration: two such nodes on one
+// router no longer share the name "pool-node".
+TEST(NodeIdDefault, IsPoolDashBoundPort) {
+  testing::TempDir dir;
+  RecordingRouter router;
+  int router_port = 0;
+  grpc::ServerBuilder rb;
+  rb.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &router_port);
+  rb.RegisterService(&router);
+  std::unique_ptr<grpc::Server> router_server = rb.BuildAndStart();
+  ASSERT_NE(router_server, nullptr);
+
+  NodeConfig cfg;
+  cfg.listen = "127.0.0.1:0";
+  cfg.router = "127.0.0.1:" + std::to_string(router_port);
+  cfg.metrics_port = -1;
+  cfg.pool.page_bytes = kNodePage;
+  cfg.pool.dram_bytes = 16 * kNodePage;
+  cfg.pool.background = false;
+  auto node = NodeServer::Start(cfg);
+  ASSERT_TRUE(node.ok()) << node.status();
+  const std::string want = "pool-" + std::to_string((*node)->port());
+  EXPECT_EQ((*node)->core().Stats().node_id, want);
+  EXPECT_THAT((*node)->DescribeConfig(), ::testing::HasSubstr("kvpool-node " + want + "\n"));
+
+  auto ctx = transport::Context::Create();
+  ASSERT_TRUE(ctx.ok()) << ctx.status();
+  auto worker = transport::Worker::Create(*ctx);
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  auto arena = (*worker)->AllocateArena(4 * kLocalPage, kLocalPage);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  auto client = PoolClient::Connect(
+      {"127.0.0.1:" + std::to_string((*node)->port()), "id-test", worker->get(), *arena});
+  ASSERT_TRUE(client.ok()) << client.status();
+  EXPECT_EQ((*client)->node_id(), want);  // Connect's answer
+  auto stats = (*client)->GetStats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->node_id(), want);
+  const std::vector<std::string> ids = router.WaitForRegistration();
+  ASSERT_FALSE(ids.empty());
+  for (const std::string& id : ids) EXPECT_EQ(id, want);
+  client->reset();
+  node->reset();
+  router_server->Shutdown();
 }
 
 TEST_F(ServiceTest, GetAfterLeaseExpiryFailsCleanly) {

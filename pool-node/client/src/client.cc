@@ -346,7 +346,7 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
       tx[k].op_item.push_back(first + j);
     }
     // The checksums are taken from the bytes as they are copied (still in cache).
-    // On a failed transfer the reservation is simply not committed; the node reclaims it.
+    // On a failed transfer the reservation is ended by an empty Commit (see Put's end).
     // All present: nothing moves, and an empty Commit ends the reservation at once.
     tx[k].digests = std::make_unique<Digests>(ops.size());
     if (ops.empty()) return absl::OkStatus();
@@ -402,14 +402,35 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
     }
   }
   if (err.ok() && pending) err = commit(*pending);
-  // Transfers still in flight feed digests that live in this frame.
+  // Transfers still in flight feed digests that live in this frame (and write into
+  // reserved pages: they end before any reservation does, below).
   for (PieceTransfer& t : tx) {
     if (t.done.valid()) t.done.wait();
+  }
+  // On failure, pieces reserved ahead (and the piece that failed) are not committed.
+  // An empty Commit ends each such reservation at once: otherwise its pages stay
+  // pinned until reserve_timeout, and reserving them may have evicted other objects.
+  std::vector<std::unique_ptr<CommitCall>> aborts;
+  if (!err.ok()) {
+    for (size_t k = 0; k < pieces.size(); ++k) {
+      if (!reserves[k] || commits[k]) continue;
+      WaitFor(cq, reserves[k]->finished);
+      if (!reserves[k]->status.ok()) continue;  // nothing was reserved
+      auto c = std::make_unique<CommitCall>();
+      c->req.set_reservation_id(reserves[k]->resp.reservation_id());
+      c->ctx.set_deadline(deadline());
+      c->reader = s_->stub->PrepareAsyncCommit(&c->ctx, c->req, &cq);
+      c->reader->StartCall();
+      c->reader->Finish(&c->resp, &c->status, &c->finished);
+      ++started;
+      aborts.push_back(std::move(c));
+    }
   }
   // Every RPC started is waited for (they point into this frame).
   size_t finished = 0;
   for (const auto& c : reserves) finished += c && c->finished;
   for (const auto& c : commits) finished += c && c->finished;
+  for (const auto& c : aborts) finished += c->finished;
   Drain(cq, started - finished);
   std::vector<absl::Status> out(items.size());
   for (size_t k = 0; k < pieces.size(); ++k) {

@@ -13,7 +13,9 @@
 // Thread safety: Start/Shutdown/Wait from one thread; core() is thread-safe.
 #pragma once
 
+#include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -29,8 +31,24 @@ struct NodeConfig {
   PoolOptions pool;                      // --node-id --dram --page-bytes --nvme-dir --nvme ...
 };
 
-// Parses the kvpool-node command line. Errors name the flag.
+// Parses the kvpool-node command line. Errors name the flag. Refuses a --dram the host
+// cannot back (CheckDramFitsHost on ReadHostMemory()).
 absl::StatusOr<NodeConfig> ParseNodeFlags(int argc, char** argv);
+
+// What the host can back a DRAM arena with. UCX allocates the arena as sysv shared
+// memory; when shmget refuses (size above the sysv limit) it falls back, silently, to a
+// posix file in /dev/shm that it fills with write(): a --dram larger than that file
+// system's free space then hangs startup and leaves the file behind.
+struct HostMemory {
+  uint64_t mem_total = 0;              // MemTotal of /proc/meminfo
+  uint64_t sysv_max = 0;               // min(kernel.shmmax, kernel.shmall pages)
+  std::optional<uint64_t> shm_free;    // free bytes of /dev/shm (statvfs); unset: unknown
+};
+HostMemory ReadHostMemory();
+
+// InvalidArgument naming --dram and the limit when dram_bytes exceeds MemTotal, or
+// exceeds the sysv limit and the free space of /dev/shm; OK otherwise.
+absl::Status CheckDramFitsHost(uint64_t dram_bytes, const HostMemory& host);
 
 class NodeServer {
  public:

@@ -246,6 +246,9 @@ class PoolCore {
       const std::function<void(const ObjectKey&, const std::optional<BlockHash>&, Tier)>& fn) const;
   // Multi-line configuration summary (capacity in pages and bytes per tier).
   std::string DescribeConfig() const;
+  // Renames the node (Stats, DescribeConfig): NodeServer names it pool-<port> once its
+  // port is bound. options().node_id keeps the name given at Create.
+  void SetNodeId(std::string node_id);
   const PoolOptions& options() const { return options_; }
 
  private:
