@@ -1,6 +1,9 @@
 #include "kvpool/common/model_spec.h"
 
+#include <cmath>
+#include <exception>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "absl/strings/ascii.h"
@@ -100,12 +103,28 @@ absl::Status ModelSpec::Validate() const {
   if (name.empty()) return absl::InvalidArgumentError("model spec has no name; set \"name\"");
   if (layers.empty()) return bad("layers", "is empty; list at least one layer");
   if (!(active_params > 0)) return bad("active_params", "must be > 0 (parameters per token)");
-  if (hidden_size <= 0) return bad("hidden_size", "must be > 0");
-  if (vocab_size <= 0) return bad("vocab_size", "must be > 0");
-  if (block_tokens <= 0) return bad("block_tokens", "must be > 0");
+  if (!std::isfinite(active_params)) return bad("active_params", "must be finite");
+  // Caps keep every size derived from a spec inside int64: BlockBytes is at most
+  // 2^12 layers x 2 (K, V) x 2^13 heads x 2^16 dims x 4 B x 2^16 tokens = 2^60, and
+  // FixedStateBytes 2^12 layers x 2^13 heads x 2^16 x 2^16 x 4 B = 2^59.
+  auto in_range = [&bad](absl::string_view field, int64_t v, int64_t hi) {
+    return v > 0 && v <= hi
+               ? absl::OkStatus()
+               : bad(field, absl::StrCat("=", v, " must be in [1, ", hi, "]"));
+  };
+  if (static_cast<int64_t>(layers.size()) > kMaxSpecLayers) {
+    return bad("layers", absl::StrCat("has ", layers.size(), " entries; at most ",
+                                      kMaxSpecLayers));
+  }
+  RETURN_IF_ERROR(in_range("hidden_size", hidden_size, kMaxSpecDim));
+  RETURN_IF_ERROR(in_range("vocab_size", vocab_size, kMaxSpecVocab));
+  RETURN_IF_ERROR(in_range("block_tokens", block_tokens, kMaxSpecBlockTokens));
   if (HasKind(AttentionKind::kGqa)) {
     if (gqa.num_q_heads <= 0 || gqa.num_kv_heads <= 0 || gqa.head_dim <= 0)
       return bad("gqa", "needs num_q_heads, num_kv_heads and head_dim > 0");
+    RETURN_IF_ERROR(in_range("gqa.num_q_heads", gqa.num_q_heads, kMaxSpecHeads));
+    RETURN_IF_ERROR(in_range("gqa.num_kv_heads", gqa.num_kv_heads, kMaxSpecHeads));
+    RETURN_IF_ERROR(in_range("gqa.head_dim", gqa.head_dim, kMaxSpecDim));
     if (gqa.num_q_heads % gqa.num_kv_heads != 0)
       return bad("gqa.num_q_heads", "must be a multiple of gqa.num_kv_heads");
   }
@@ -113,10 +132,18 @@ absl::Status ModelSpec::Validate() const {
     if (mla.num_heads <= 0 || mla.kv_lora_rank <= 0 || mla.rope_dim <= 0 ||
         mla.qk_nope_dim <= 0 || mla.v_head_dim <= 0)
       return bad("mla", "needs num_heads, kv_lora_rank, rope_dim, qk_nope_dim, v_head_dim > 0");
+    RETURN_IF_ERROR(in_range("mla.num_heads", mla.num_heads, kMaxSpecHeads));
+    RETURN_IF_ERROR(in_range("mla.kv_lora_rank", mla.kv_lora_rank, kMaxSpecDim));
+    RETURN_IF_ERROR(in_range("mla.rope_dim", mla.rope_dim, kMaxSpecDim));
+    RETURN_IF_ERROR(in_range("mla.qk_nope_dim", mla.qk_nope_dim, kMaxSpecDim));
+    RETURN_IF_ERROR(in_range("mla.v_head_dim", mla.v_head_dim, kMaxSpecDim));
   }
   if (HasKind(AttentionKind::kKda)) {
     if (kda.num_heads <= 0 || kda.head_k_dim <= 0 || kda.head_v_dim <= 0)
       return bad("kda", "needs num_heads, head_k_dim and head_v_dim > 0");
+    RETURN_IF_ERROR(in_range("kda.num_heads", kda.num_heads, kMaxSpecHeads));
+    RETURN_IF_ERROR(in_range("kda.head_k_dim", kda.head_k_dim, kMaxSpecDim));
+    RETURN_IF_ERROR(in_range("kda.head_v_dim", kda.head_v_dim, kMaxSpecDim));
     if (checkpoint_tokens <= 0 || checkpoint_tokens % block_tokens != 0)
       return bad("checkpoint_tokens",
                  absl::StrCat("=", checkpoint_tokens, " must be a positive multiple of block_tokens=",
@@ -253,14 +280,54 @@ void GetIf(const nlohmann::json& j, const char* key, T& out) {
   if (j.contains(key)) out = j.at(key).get<T>();
 }
 
+// An integer field: a JSON integer, or a number with an integral value (16.0), within
+// [lo, hi]. get<int>() would wrap 4294967552 to 256 and truncate 16.9 to 16.
+absl::Status GetIntIf(const nlohmann::json& j, const char* key, absl::string_view field,
+                      int64_t lo, int64_t hi, int64_t& out) {
+  if (!j.contains(key)) return absl::OkStatus();
+  const nlohmann::json& v = j.at(key);
+  auto bad = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model spec field ", field, "=", v.dump(), " ", why));
+  };
+  if (v.is_number_unsigned()) {
+    const uint64_t u = v.get<uint64_t>();
+    if (u > static_cast<uint64_t>(hi)) return bad(absl::StrCat("is out of range [", lo, ", ", hi, "]"));
+    out = static_cast<int64_t>(u);
+  } else if (v.is_number_integer()) {
+    out = v.get<int64_t>();
+  } else if (v.is_number_float()) {
+    const double d = v.get<double>();
+    // Range first: the cast below is only defined for values that fit.
+    if (!(d >= static_cast<double>(lo) && d <= static_cast<double>(hi))) {
+      return bad(absl::StrCat("is out of range [", lo, ", ", hi, "]"));
+    }
+    if (d != std::floor(d)) return bad("is not an integer");
+    out = static_cast<int64_t>(d);
+  } else {
+    return bad("is not a number");
+  }
+  if (out < lo || out > hi) return bad(absl::StrCat("is out of range [", lo, ", ", hi, "]"));
+  return absl::OkStatus();
+}
+
+absl::Status GetIntIf(const nlohmann::json& j, const char* key, absl::string_view field,
+                      int& out) {
+  int64_t v = out;
+  RETURN_IF_ERROR(GetIntIf(j, key, field, std::numeric_limits<int>::min(),
+                           std::numeric_limits<int>::max(), v));
+  out = static_cast<int>(v);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<ModelSpec> ParseSpecJson(const nlohmann::json& j) {
   ModelSpec s;
   GetIf(j, "name", s.name);
   GetIf(j, "active_params", s.active_params);
-  GetIf(j, "hidden_size", s.hidden_size);
-  GetIf(j, "vocab_size", s.vocab_size);
-  GetIf(j, "block_tokens", s.block_tokens);
-  GetIf(j, "checkpoint_tokens", s.checkpoint_tokens);
+  RETURN_IF_ERROR(GetIntIf(j, "hidden_size", "hidden_size", s.hidden_size));
+  RETURN_IF_ERROR(GetIntIf(j, "vocab_size", "vocab_size", s.vocab_size));
+  RETURN_IF_ERROR(GetIntIf(j, "block_tokens", "block_tokens", s.block_tokens));
+  RETURN_IF_ERROR(GetIntIf(j, "checkpoint_tokens", "checkpoint_tokens", s.checkpoint_tokens));
   GetIf(j, "computable", s.computable);
   if (j.contains("kv_dtype")) {
     ASSIGN_OR_RETURN(s.kv_dtype, ParseDType(j.at("kv_dtype").get<std::string>()));
@@ -273,12 +340,18 @@ absl::StatusOr<ModelSpec> ParseSpecJson(const nlohmann::json& j) {
   }
   const auto& layers = j.at("layers");
   std::vector<std::string> pattern;
-  int repeat = 1;
+  int64_t repeat = 1;
   if (layers.is_array()) {
     pattern = layers.get<std::vector<std::string>>();
   } else {
     pattern = layers.at("pattern").get<std::vector<std::string>>();
-    GetIf(layers, "repeat", repeat);
+    RETURN_IF_ERROR(GetIntIf(layers, "repeat", "layers.repeat", 1, kMaxSpecLayers, repeat));
+  }
+  // Checked before building the list: a huge repeat would otherwise allocate first.
+  if (static_cast<int64_t>(pattern.size()) * repeat > kMaxSpecLayers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model spec layers: ", pattern.size(), " kinds x repeat ", repeat, " is more than ",
+        kMaxSpecLayers, " layers"));
   }
   for (int r = 0; r < repeat; ++r) {
     for (const auto& k : pattern) {
@@ -288,23 +361,23 @@ absl::StatusOr<ModelSpec> ParseSpecJson(const nlohmann::json& j) {
   }
   if (j.contains("gqa")) {
     const auto& g = j.at("gqa");
-    GetIf(g, "num_q_heads", s.gqa.num_q_heads);
-    GetIf(g, "num_kv_heads", s.gqa.num_kv_heads);
-    GetIf(g, "head_dim", s.gqa.head_dim);
+    RETURN_IF_ERROR(GetIntIf(g, "num_q_heads", "gqa.num_q_heads", s.gqa.num_q_heads));
+    RETURN_IF_ERROR(GetIntIf(g, "num_kv_heads", "gqa.num_kv_heads", s.gqa.num_kv_heads));
+    RETURN_IF_ERROR(GetIntIf(g, "head_dim", "gqa.head_dim", s.gqa.head_dim));
   }
   if (j.contains("mla")) {
     const auto& m = j.at("mla");
-    GetIf(m, "num_heads", s.mla.num_heads);
-    GetIf(m, "kv_lora_rank", s.mla.kv_lora_rank);
-    GetIf(m, "rope_dim", s.mla.rope_dim);
-    GetIf(m, "qk_nope_dim", s.mla.qk_nope_dim);
-    GetIf(m, "v_head_dim", s.mla.v_head_dim);
+    RETURN_IF_ERROR(GetIntIf(m, "num_heads", "mla.num_heads", s.mla.num_heads));
+    RETURN_IF_ERROR(GetIntIf(m, "kv_lora_rank", "mla.kv_lora_rank", s.mla.kv_lora_rank));
+    RETURN_IF_ERROR(GetIntIf(m, "rope_dim", "mla.rope_dim", s.mla.rope_dim));
+    RETURN_IF_ERROR(GetIntIf(m, "qk_nope_dim", "mla.qk_nope_dim", s.mla.qk_nope_dim));
+    RETURN_IF_ERROR(GetIntIf(m, "v_head_dim", "mla.v_head_dim", s.mla.v_head_dim));
   }
   if (j.contains("kda")) {
     const auto& k = j.at("kda");
-    GetIf(k, "num_heads", s.kda.num_heads);
-    GetIf(k, "head_k_dim", s.kda.head_k_dim);
-    GetIf(k, "head_v_dim", s.kda.head_v_dim);
+    RETURN_IF_ERROR(GetIntIf(k, "num_heads", "kda.num_heads", s.kda.num_heads));
+    RETURN_IF_ERROR(GetIntIf(k, "head_k_dim", "kda.head_k_dim", s.kda.head_k_dim));
+    RETURN_IF_ERROR(GetIntIf(k, "head_v_dim", "kda.head_v_dim", s.kda.head_v_dim));
   }
   return s;
 }
@@ -339,7 +412,7 @@ absl::StatusOr<ModelSpec> LoadModelSpecFile(const std::string& path) {
     ASSIGN_OR_RETURN(ModelSpec spec, ParseSpecJson(j));
     RETURN_IF_ERROR(spec.Validate());
     return spec;
-  } catch (const nlohmann::json::exception& e) {
+  } catch (const std::exception& e) {  // nlohmann's errors, and bad_alloc on huge input
     return absl::InvalidArgumentError(
         absl::StrCat("model spec file '", path, "' is not valid: ", e.what()));
   }

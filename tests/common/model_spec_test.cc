@@ -114,6 +114,84 @@ TEST(ModelSpecTest, BadSpecFilesNameTheField) {
   EXPECT_EQ(LoadModelSpecFile("/nonexistent/x.json").status().code(), absl::StatusCode::kNotFound);
 }
 
+// Writes `json` to a temp file and loads it.
+absl::StatusOr<ModelSpec> LoadJson(const std::string& json) {
+  const std::string path = ::testing::TempDir() + "/numbers.json";
+  {
+    std::ofstream f(path);
+    f << json;
+  }
+  return LoadModelSpecFile(path);
+}
+
+// A valid spec with `field` (a top-level key, or "gqa": {...} fragment) replaced.
+std::string GqaSpec(const std::string& top, const std::string& gqa = R"("head_dim": 64)",
+                    const std::string& layers = R"(["gqa"])") {
+  return R"({"name": "x", "active_params": 1e6, "vocab_size": 512, "hidden_size": 256,
+             "layers": )" + layers + R"(, "gqa": {"num_q_heads": 4, "num_kv_heads": 2, )" +
+         gqa + "}" + (top.empty() ? "" : ", " + top) + "}";
+}
+
+// Regression: get<int>() wrapped 4294967552 to 256 and truncated 16.9 to 16.
+TEST(ModelSpecTest, JsonNumbersMustBeIntegralAndFit) {
+  ASSERT_TRUE(LoadJson(GqaSpec("")).ok()) << LoadJson(GqaSpec("")).status();
+  struct Case {
+    std::string json;
+    const char* field;
+  };
+  const Case cases[] = {
+      {GqaSpec(R"("hidden_size": 4294967552)"), "hidden_size"},
+      {GqaSpec(R"("block_tokens": 16.9)"), "block_tokens"},
+      {GqaSpec(R"("vocab_size": -4294967295)"), "vocab_size"},
+      {GqaSpec(R"("block_tokens": 1e300)"), "block_tokens"},
+      {GqaSpec(R"("block_tokens": "16")"), "block_tokens"},
+      {GqaSpec("", R"("head_dim": 18446744073709551615)"), "gqa.head_dim"},
+      {GqaSpec("", R"("head_dim": 64.5)"), "gqa.head_dim"},
+      {GqaSpec(R"("checkpoint_tokens": 2147483648)"), "checkpoint_tokens"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.json);
+    auto s = LoadJson(c.json);
+    ASSERT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << s.status();
+    EXPECT_NE(s.status().message().find(c.field), absl::string_view::npos) << s.status();
+  }
+  // An integral float is the integer.
+  auto s = LoadJson(GqaSpec(R"("block_tokens": 64.0)"));
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->block_tokens, 64);
+}
+
+// Regression: a huge repeat threw std::bad_alloc out of LoadModelSpecFile.
+TEST(ModelSpecTest, HugeRepeatAndDimsAreRefusedNotAllocated) {
+  for (const char* repeat : {"2147483647", "4294967296", "1e18", "0", "-1"}) {
+    SCOPED_TRACE(repeat);
+    auto s = LoadJson(GqaSpec("", R"("head_dim": 64)",
+                              std::string(R"({"pattern": ["gqa", "gqa"], "repeat": )") + repeat +
+                                  "}"));
+    ASSERT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << s.status();
+    EXPECT_NE(s.status().message().find("repeat"), absl::string_view::npos) << s.status();
+  }
+  // Dims that fit in int but whose byte counts would overflow int64.
+  auto s = LoadJson(GqaSpec(R"("block_tokens": 1000000000)",
+                            R"("head_dim": 1000000000)",
+                            R"({"pattern": ["gqa"], "repeat": 4096})"));
+  ASSERT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << s.status();
+  EXPECT_NE(s.status().message().find("block_tokens"), absl::string_view::npos) << s.status();
+  ModelSpec big = Preset("llama-3.3-70b");
+  big.gqa.head_dim = 1 << 30;
+  EXPECT_EQ(big.Validate().code(), absl::StatusCode::kInvalidArgument);
+  // At the caps every derived size still fits in int64.
+  ModelSpec max = Preset("llama-3.3-70b");
+  max.layers.assign(kMaxSpecLayers, AttentionKind::kGqa);
+  max.gqa = {.num_q_heads = static_cast<int>(kMaxSpecHeads),
+             .num_kv_heads = static_cast<int>(kMaxSpecHeads),
+             .head_dim = static_cast<int>(kMaxSpecDim)};
+  max.kv_dtype = DType::kFp32;
+  max.block_tokens = static_cast<int>(kMaxSpecBlockTokens);
+  ASSERT_TRUE(max.Validate().ok()) << max.Validate();
+  EXPECT_EQ(max.BlockBytes(), int64_t{1} << 60);
+}
+
 TEST(DTypeTest, ParsesNamesAndRejectsOthers) {
   EXPECT_EQ(*ParseDType("bf16"), DType::kBf16);
   EXPECT_EQ(*ParseDType("FP8"), DType::kFp8);

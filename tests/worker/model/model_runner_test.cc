@@ -308,6 +308,85 @@ TEST(RunnerCreateTest, RealShapePresetRefused) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// Regression: Create used to accept shapes the kernels refuse; the first Step then
+// failed in the kernel and a second one dereferenced an empty output (segfault).
+TEST(RunnerCreateTest, ShapesTheKernelsRefuseAreRefusedAtCreate) {
+  struct Case {
+    const char* preset;
+    void (*mutate)(ModelSpec&);
+    const char* field;
+  };
+  const Case cases[] = {
+      {"tiny-gqa", [](ModelSpec& s) { s.gqa.head_dim = 32; }, "gqa.head_dim"},
+      {"tiny-gqa", [](ModelSpec& s) { s.block_tokens = 32; }, "block_tokens"},
+      {"tiny-mla", [](ModelSpec& s) { s.block_tokens = 16; }, "block_tokens"},
+      {"tiny-mla", [](ModelSpec& s) { s.mla.kv_lora_rank = 256; }, "mla.kv_lora_rank"},
+      {"tiny-mla", [](ModelSpec& s) { s.mla.rope_dim = 32; }, "mla.rope_dim"},
+      {"tiny-hybrid", [](ModelSpec& s) { s.kda.head_k_dim = 320; }, "kda.head_k_dim"},
+      {"tiny-hybrid", [](ModelSpec& s) { s.kda.head_v_dim = 320; }, "kda.head_v_dim"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.field);
+    auto spec = GetPreset(c.preset);
+    ASSERT_TRUE(spec.ok());
+    spec->name = "custom";
+    c.mutate(*spec);
+    auto r = ModelRunner::Create(*spec);
+    ASSERT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+    EXPECT_NE(r.status().message().find(c.field), std::string::npos) << r.status();
+  }
+}
+
+TEST(RunnerCreateTest, HugeMaxRunningOnAHybridDoesNotSizeScratchForIt) {
+  RunnerOptions o;
+  o.max_running = 1 << 30;  // the KDA scratch used to be sized for this many sequences
+  auto r = MakeRunner("tiny-hybrid", o);
+  ASSERT_TRUE(r);
+  EXPECT_EQ(Gen(*r, Tokens(8, 1), 2).output_tokens.size(), 2u);
+}
+
+// Regression: admission took only the prompt's pages, so when two sequences that each
+// fit alone ran together one ran out of pages mid-decode and failed with
+// RESOURCE_EXHAUSTED. Now the second waits until the first has finished.
+TEST(RunnerAdmissionTest, AcceptedSequencesDoNotRunOutOfPagesMidDecode) {
+  RunnerOptions o;
+  o.num_blocks = 5;  // 4 usable pages of 16 tokens; each request needs 3
+  auto alone = MakeRunner("tiny-gqa", o);
+  auto r = MakeRunner("tiny-gqa", o);
+  ASSERT_TRUE(alone && r);
+  const GenerateRequest a = Req(Tokens(16, 1), 32), b = Req(Tokens(16, 2), 32);
+  const GenerateResult ra_alone = Gen(*alone, a.prompt_tokens, 32);
+  const GenerateResult rb_alone = Gen(*alone, b.prompt_tokens, 32);
+  auto ia = r->AddSequence(a);
+  auto ib = r->AddSequence(b);
+  ASSERT_TRUE(ia.ok() && ib.ok());
+  while (r->NumUnfinished() > 0) ASSERT_TRUE(r->Step().ok());
+  auto ra = r->TakeResult(*ia);
+  auto rb = r->TakeResult(*ib);
+  ASSERT_TRUE(ra.ok()) << ra.status();
+  ASSERT_TRUE(rb.ok()) << rb.status();
+  EXPECT_SAME_OUTPUT(*ra, ra_alone);
+  EXPECT_SAME_OUTPUT(*rb, rb_alone);
+  EXPECT_EQ(r->cache().Usage().num_requests, 0);
+}
+
+// Both fit at once when their reservations do: they run in the same steps.
+TEST(RunnerAdmissionTest, SequencesWhoseReservationsFitRunTogether) {
+  RunnerOptions o;
+  o.num_blocks = 7;  // 6 usable pages; each request needs 3
+  auto r = MakeRunner("tiny-gqa", o);
+  ASSERT_TRUE(r);
+  auto ia = r->AddSequence(Req(Tokens(16, 1), 32));
+  auto ib = r->AddSequence(Req(Tokens(16, 2), 32));
+  ASSERT_TRUE(ia.ok() && ib.ok());
+  ASSERT_TRUE(r->Step().ok());
+  EXPECT_EQ(r->NumWaiting(), 0);
+  EXPECT_TRUE(r->Started(*ia) && r->Started(*ib));
+  while (r->NumUnfinished() > 0) ASSERT_TRUE(r->Step().ok());
+  EXPECT_TRUE(r->TakeResult(*ia).ok());
+  EXPECT_TRUE(r->TakeResult(*ib).ok());
+}
+
 INSTANTIATE_TEST_SUITE_P(Tiny, RunnerTest, ::testing::Values("tiny-gqa", "tiny-mla"),
                          [](const auto& info) {
                            std::string n = info.param;

@@ -305,7 +305,7 @@ absl::Status ModelRunner::RunForward(std::vector<Segment>& segments) {
           p.beta = bb.data();
           p.slots = slots.data();
           p.out = bo.data();
-          p.pool = {kda_scratch_.data(), options_.max_running * kda_layers, nh, dk, dv};
+          p.pool = {kda_scratch_.data(), num_state_slots_ * kda_layers, nh, dk, dv};
           p.batch = static_cast<int>(B);
           p.l2_normalize_qk = true;
           RETURN_IF_ERROR(backend_->KdaDecode(p));

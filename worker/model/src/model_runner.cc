@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvpool/common/status.h"
+#include "kvpool/kernels/mla.h"
 #include "runner_internal.h"
 
 namespace kvpool::model {
@@ -16,6 +17,47 @@ namespace {
 // Ids of the cache manager's internal import requests: the top bit keeps them apart
 // from sequence ids.
 constexpr uint64_t kImportIdBit = uint64_t{1} << 63;
+
+// The shapes the kernels' launchers take (kernels/src/backend.cc: CheckGqaKv,
+// CheckMlaKv, CheckPool). Checked at Create so that a spec the kernels refuse never
+// reaches a forward pass.
+absl::Status CheckKernelSupport(const ModelSpec& spec) {
+  auto bad = [&spec](absl::string_view field, int value, absl::string_view why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model '", spec.name, "': ", field, "=", value, " ", why));
+  };
+  if (spec.HasKind(AttentionKind::kGqa)) {
+    if (spec.gqa.head_dim != 64 && spec.gqa.head_dim != 128) {
+      return bad("gqa.head_dim", spec.gqa.head_dim, "but the GQA kernels support 64 or 128");
+    }
+    if (spec.block_tokens != 1 && spec.block_tokens != 16 && spec.block_tokens != 64) {
+      return bad("block_tokens", spec.block_tokens,
+                 "but the GQA kernels support pages of 1, 16 or 64 tokens");
+    }
+  }
+  if (spec.HasKind(AttentionKind::kMla)) {
+    if (spec.block_tokens != kernels::kMlaPageSize) {
+      return bad("block_tokens", spec.block_tokens,
+                 absl::StrCat("but the MLA kernels need pages of ", kernels::kMlaPageSize,
+                              " tokens"));
+    }
+    if (spec.mla.kv_lora_rank != 512) {
+      return bad("mla.kv_lora_rank", spec.mla.kv_lora_rank, "but the MLA kernels need 512");
+    }
+    if (spec.mla.rope_dim != 64) {
+      return bad("mla.rope_dim", spec.mla.rope_dim, "but the MLA kernels need 64");
+    }
+  }
+  if (spec.HasKind(AttentionKind::kKda)) {
+    if (spec.kda.head_k_dim < 1 || spec.kda.head_k_dim > 256) {
+      return bad("kda.head_k_dim", spec.kda.head_k_dim, "but the KDA kernels need [1, 256]");
+    }
+    if (spec.kda.head_v_dim < 1 || spec.kda.head_v_dim > 256) {
+      return bad("kda.head_v_dim", spec.kda.head_v_dim, "but the KDA kernels need [1, 256]");
+    }
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace
 
@@ -44,6 +86,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const ModelSpec
     return absl::InvalidArgumentError("spec.name is empty; block hashes need the model id");
   }
   ASSIGN_OR_RETURN(ModelWeights weights, ModelWeights::Generate(spec, options.weight_seed));
+  RETURN_IF_ERROR(CheckKernelSupport(spec));
   // Validate hashing options before the constructor dereferences them.
   RETURN_IF_ERROR(BlockHasher::Create(HashOptions{
                       .cluster_secret = options.cluster_secret,
@@ -76,16 +119,25 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const ModelSpec
         " takes device memory but the runner's arena is host memory; use cpu_optimized "
         "or cpu_reference"));
   }
+  int32_t slots = 0;
   if (r->spec_.IsHybrid()) {
-    r->kda_scratch_.assign(static_cast<size_t>(r->arena_->state_bytes() / sizeof(float)) *
-                               static_cast<size_t>(r->options_.max_running),
-                           0.f);
+    // Each running hybrid sequence holds its live state's pages, so no more than
+    // (num_blocks - 1) / state_pages of them can run: size the scratch for that, not
+    // for a max_running far above it.
+    slots = std::min<int32_t>(
+        r->options_.max_running,
+        std::max<int32_t>(1, (r->options_.num_blocks - 1) / r->arena_->state_pages()));
+    r->kda_scratch_.assign(
+        static_cast<size_t>(r->arena_->state_bytes() / sizeof(float)) * static_cast<size_t>(slots),
+        0.f);
   }
-  for (int32_t s = r->options_.max_running - 1; s >= 0; --s) r->free_state_slots_.push_back(s);
+  r->num_state_slots_ = slots;
+  for (int32_t s = slots - 1; s >= 0; --s) r->free_state_slots_.push_back(s);
   return r;
 }
 
 absl::StatusOr<SequenceId> ModelRunner::AddSequence(GenerateRequest request) {
+  RETURN_IF_ERROR(CheckUsable());
   const int64_t n = static_cast<int64_t>(request.prompt_tokens.size());
   if (n == 0) {
     return absl::InvalidArgumentError(
@@ -110,13 +162,7 @@ absl::StatusOr<SequenceId> ModelRunner::AddSequence(GenerateRequest request) {
         " exceeds max_model_len=", options_.max_model_len,
         "; shorten the prompt or lower max_new_tokens"));
   }
-  // Blocks a sequence needs alone (its last sampled token is never written).
-  const int64_t b = spec_.block_tokens;
-  // Hybrids also hold their live KDA state and each checkpoint they save.
-  const int64_t checkpoints =
-      spec_.IsHybrid() && options_.enable_prefix_caching ? total / spec_.checkpoint_tokens : 0;
-  const int64_t need = (std::max<int64_t>(total - 1, n) + b - 1) / b +
-                       (spec_.IsHybrid() ? (1 + checkpoints) * arena_->state_pages() : 0);
+  const int64_t need = PagesNeeded(n, request.max_new_tokens);
   if (need > options_.num_blocks - 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "prompt_tokens (", n, ") + max_new_tokens (", request.max_new_tokens, ") need ", need,
@@ -128,9 +174,21 @@ absl::StatusOr<SequenceId> ModelRunner::AddSequence(GenerateRequest request) {
   seq->tokens = request.prompt_tokens;
   seq->request = std::move(request);
   seq->result.prompt_tokens = n;
+  seq->reserved_pages = need;
   const SequenceId id = seq->id;
   waiting_.push_back(std::move(seq));
   return id;
+}
+
+int64_t ModelRunner::PagesNeeded(int64_t prompt_tokens, int64_t max_new_tokens) const {
+  const int64_t total = prompt_tokens + max_new_tokens;
+  // Blocks of the whole sequence (its last sampled token is never written).
+  const int64_t b = spec_.block_tokens;
+  // Hybrids also hold their live KDA state and each checkpoint they save.
+  const int64_t checkpoints =
+      spec_.IsHybrid() && options_.enable_prefix_caching ? total / spec_.checkpoint_tokens : 0;
+  return (std::max<int64_t>(total - 1, prompt_tokens) + b - 1) / b +
+         (spec_.IsHybrid() ? (1 + checkpoints) * arena_->state_pages() : 0);
 }
 
 absl::Status ModelRunner::ApplyAllocation(Sequence& seq, const cache::SlotAllocation& alloc,
@@ -244,11 +302,39 @@ void ModelRunner::Finish(Sequence& seq, absl::Status status) {
     free_state_slots_.push_back(seq.state_slot);
     seq.state_slot = -1;
   }
+  if (seq.state == Sequence::State::kRunning) reserved_pages_ -= seq.reserved_pages;
   seq.status = std::move(status);
   seq.state = Sequence::State::kFinished;
 }
 
+absl::Status ModelRunner::CheckUsable() const {
+  if (broken_.ok()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "model runner is unusable after a failed step (", broken_.ToString(),
+      "); create a new runner"));
+}
+
 absl::StatusOr<std::vector<SequenceId>> ModelRunner::Step() {
+  RETURN_IF_ERROR(CheckUsable());
+  absl::StatusOr<std::vector<SequenceId>> done = StepOnce();
+  if (done.ok()) return done;
+  // The step may have left sequences half-advanced (a token appended with no K/V,
+  // admitted with no output) and pages cached under hashes whose bytes were never
+  // written: fail every sequence and refuse further work rather than compute on that.
+  broken_ = done.status();
+  for (auto* list : {&running_, &waiting_}) {
+    for (auto& seq : *list) {
+      Finish(*seq, absl::Status(broken_.code(), absl::StrCat("sequence ", seq->id,
+                                                             " failed: engine step failed: ",
+                                                             broken_.message())));
+      finished_.emplace(seq->id, std::move(seq));
+    }
+    list->clear();
+  }
+  return done;
+}
+
+absl::StatusOr<std::vector<SequenceId>> ModelRunner::StepOnce() {
   std::vector<SequenceId> done;
   std::vector<Segment> segments;
   segments.reserve(running_.size() + waiting_.size());
@@ -265,8 +351,15 @@ absl::StatusOr<std::vector<SequenceId>> ModelRunner::Step() {
   }
   // 2. Admit waiting sequences, FIFO, while pages and slots last.
   while (!waiting_.empty() &&
-         static_cast<int32_t>(running_.size()) < options_.max_running) {
+         static_cast<int32_t>(running_.size()) < options_.max_running &&
+         !(spec_.IsHybrid() && free_state_slots_.empty())) {
     Sequence& seq = *waiting_.front();
+    // Admission reserves every page the sequence may need (prompt + max_new_tokens),
+    // so a running sequence never runs out of pages mid-decode (there is no
+    // preemption). Pages shared through prefix hits make this conservative.
+    if (!running_.empty() && reserved_pages_ + seq.reserved_pages > options_.num_blocks - 1) {
+      break;  // retry when running sequences have finished
+    }
     bool fits = false;
     RETURN_IF_ERROR(Admit(seq, segments, pending, &fits));
     if (!fits) {
@@ -277,6 +370,7 @@ absl::StatusOr<std::vector<SequenceId>> ModelRunner::Step() {
                       options_.num_blocks - 1, " pages); raise num_blocks")));
     } else {
       seq.state = Sequence::State::kRunning;
+      reserved_pages_ += seq.reserved_pages;
       if (spec_.IsHybrid()) {
         seq.state_slot = free_state_slots_.back();
         free_state_slots_.pop_back();
@@ -359,8 +453,12 @@ absl::Status ModelRunner::Abort(SequenceId id) {
 absl::StatusOr<GenerateResult> ModelRunner::Generate(GenerateRequest request) {
   ASSIGN_OR_RETURN(SequenceId id, AddSequence(std::move(request)));
   for (;;) {
-    ASSIGN_OR_RETURN(std::vector<SequenceId> done, Step());
-    if (std::find(done.begin(), done.end(), id) != done.end()) return TakeResult(id);
+    absl::StatusOr<std::vector<SequenceId>> done = Step();
+    if (!done.ok()) {
+      Abort(id).IgnoreError();  // forget the failed sequence; nobody will take it
+      return done.status();
+    }
+    if (std::find(done->begin(), done->end(), id) != done->end()) return TakeResult(id);
   }
 }
 
@@ -374,6 +472,7 @@ std::vector<BlockHash> ModelRunner::HashPrompt(std::span<const TokenId> tokens,
 }
 
 absl::StatusOr<std::vector<std::byte>> ModelRunner::ExportBlock(const BlockHash& hash) const {
+  RETURN_IF_ERROR(CheckUsable());
   const cache::BlockId id = cache_->block_pool().GetCachedBlock(hash);
   if (id == cache::kNoBlock) {
     return absl::NotFoundError(absl::StrCat("block ", hash.ToHex(), " is not cached here"));
@@ -384,6 +483,7 @@ absl::StatusOr<std::vector<std::byte>> ModelRunner::ExportBlock(const BlockHash&
 
 absl::StatusOr<std::vector<std::byte>> ModelRunner::ExportCheckpoint(
     const BlockHash& hash) const {
+  RETURN_IF_ERROR(CheckUsable());
   const cache::BlockId head = cache_->block_pool().GetCachedCheckpoint(hash);
   if (head == cache::kNoBlock) {
     return absl::NotFoundError(
@@ -397,6 +497,7 @@ absl::StatusOr<std::vector<std::byte>> ModelRunner::ExportCheckpoint(
 absl::StatusOr<ImportPlan> ModelRunner::BeginImport(std::span<const BlockHash> chain,
                                                     std::span<const bool> have_bytes,
                                                     std::span<const BlockHash> checkpoints) {
+  RETURN_IF_ERROR(CheckUsable());
   const size_t k = chain.size();
   if (have_bytes.size() != k) {
     return absl::InvalidArgumentError(absl::StrCat(

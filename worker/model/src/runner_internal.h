@@ -21,6 +21,9 @@ struct ModelRunner::Sequence {
   bool in_cache = false;        // AddRequest done, Free pending
   int64_t computed = 0;         // positions [0, computed) have K/V (and KDA state)
   int32_t state_slot = -1;      // KDA scratch slot while running
+  // Pages the whole sequence may hold (prompt + max_new_tokens, KDA state runs); counted
+  // in ModelRunner::reserved_pages_ while running.
+  int64_t reserved_pages = 0;
   cache::BlockId live_state = cache::kNoBlock;
   GenerateResult result;
   absl::Status status;

@@ -37,6 +37,14 @@ size_t DTypeBytes(DType dtype);
 // Accepts the names above (and "float32", "bfloat16", "float16", "fp8_e4m3").
 absl::StatusOr<DType> ParseDType(absl::string_view name);
 
+// Bounds Validate (and the JSON loader) enforce, so that every byte count derived
+// from a spec fits in int64 (see Validate).
+inline constexpr int64_t kMaxSpecLayers = 4096;
+inline constexpr int64_t kMaxSpecHeads = 8192;        // per kind
+inline constexpr int64_t kMaxSpecDim = 65536;         // hidden_size and per-head dims
+inline constexpr int64_t kMaxSpecBlockTokens = 65536;
+inline constexpr int64_t kMaxSpecVocab = int64_t{1} << 24;
+
 struct GqaDims {
   int num_q_heads = 0;   // query heads, a multiple of num_kv_heads
   int num_kv_heads = 0;  // K/V heads
@@ -93,7 +101,7 @@ struct ModelSpec {
   // Context at which the fixed state equals the per-token cache; 0 when not hybrid.
   double CrossoverTokens() const;
 
-  // Checks internal consistency; errors name the field.
+  // Checks internal consistency and the kMaxSpec* bounds; errors name the field.
   absl::Status Validate() const;
 };
 
@@ -107,6 +115,8 @@ absl::StatusOr<ModelSpec> GetPreset(absl::string_view name);
 //    "gqa": {"num_q_heads": 32, "num_kv_heads": 8, "head_dim": 128},
 //    "mla": {...}, "kda": {...}, "kv_dtype": "bf16", "state_dtype": "bf16",
 //    "block_tokens": 16, "checkpoint_tokens": 0}
+// Integer fields must hold integral values that fit (16.9 or 4294967552 are errors,
+// not 16 or 256); every error is INVALID_ARGUMENT naming the field.
 absl::StatusOr<ModelSpec> LoadModelSpecFile(const std::string& path);
 // A preset name, or a path to a JSON spec (anything containing '/' or ending in .json).
 absl::StatusOr<ModelSpec> ResolveModelSpec(absl::string_view name_or_path);

@@ -152,11 +152,14 @@ class ModelRunner {
   // --- the engine ------------------------------------------------------------------
   // Validates and queues a request; nothing is computed until Step().
   absl::StatusOr<SequenceId> AddSequence(GenerateRequest request);
-  // One engine step: admits waiting sequences (FIFO while pages and max_running allow)
+  // One engine step: admits waiting sequences (FIFO while max_running allows and the
+  // pages every admitted sequence may need for prompt + max_new_tokens fit together)
   // and decodes one token for every running one, in one batched forward pass. Returns
   // the sequences that finished in this step (TakeResult them). A sequence that cannot
   // get pages even alone finishes with RESOURCE_EXHAUSTED; an error returned by Step
-  // itself (a kernel failure) leaves the runner unusable.
+  // itself (a kernel failure) leaves the runner unusable: every queued and running
+  // sequence finishes with that error, and later calls (Step, AddSequence, export,
+  // import) return FAILED_PRECONDITION.
   absl::StatusOr<std::vector<SequenceId>> Step();
   // Sequences queued or running.
   int NumUnfinished() const;
@@ -219,6 +222,13 @@ class ModelRunner {
   absl::Status ApplyAllocation(Sequence& seq, const cache::SlotAllocation& alloc,
                                Segment& segment, PendingPages& pending);
   void Finish(Sequence& seq, absl::Status status);
+  // Pages a sequence may hold over its life: blocks of prompt + max_new_tokens - 1
+  // tokens, and for hybrids its live KDA state and the checkpoints it saves.
+  int64_t PagesNeeded(int64_t prompt_tokens, int64_t max_new_tokens) const;
+  // Step without the failure handling.
+  absl::StatusOr<std::vector<SequenceId>> StepOnce();
+  // FAILED_PRECONDITION once a step has failed.
+  absl::Status CheckUsable() const;
   absl::Status RunForward(std::vector<Segment>& segments);
 
   ModelSpec spec_;
@@ -232,7 +242,11 @@ class ModelRunner {
   std::vector<std::unique_ptr<Sequence>> running_;
   absl::flat_hash_map<SequenceId, std::unique_ptr<Sequence>> finished_;
   std::vector<int32_t> free_state_slots_;            // KDA scratch slots
-  std::vector<float> kda_scratch_;   // [max_running][kda_layers][heads][d_k][d_v]
+  // KDA scratch slots: min(max_running, hybrid sequences the arena's pages can hold).
+  int32_t num_state_slots_ = 0;
+  std::vector<float> kda_scratch_;   // [num_state_slots_][kda_layers][heads][d_k][d_v]
+  int64_t reserved_pages_ = 0;  // sum of reserved_pages of the running sequences
+  absl::Status broken_;  // the error of the step that failed; OK while usable
   SequenceId next_id_ = 1;
   uint64_t next_import_id_ = 1;
 };
