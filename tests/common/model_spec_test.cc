@@ -1,6 +1,8 @@
 #include "kvpool/common/model_spec.h"
 
 #include <cstdio>
+#include <unistd.h>
+
 #include <fstream>
 
 #include <gtest/gtest.h>
@@ -114,9 +116,12 @@ TEST(ModelSpecTest, BadSpecFilesNameTheField) {
   EXPECT_EQ(LoadModelSpecFile("/nonexistent/x.json").status().code(), absl::StatusCode::kNotFound);
 }
 
-// Writes `json` to a temp file and loads it.
+// Writes `json` to a temp file of this test's own (ctest runs tests in parallel, each
+// in its own process) and loads it.
 absl::StatusOr<ModelSpec> LoadJson(const std::string& json) {
-  const std::string path = ::testing::TempDir() + "/numbers.json";
+  const std::string path = ::testing::TempDir() + "/spec-" +
+                           ::testing::UnitTest::GetInstance()->current_test_info()->name() + "-" +
+                           std::to_string(getpid()) + ".json";
   {
     std::ofstream f(path);
     f << json;
