@@ -1,5 +1,9 @@
 // The CUDA backend (sm_90a): the kernels of gqa.h, mla.h and kda.h on device memory.
 //
+// Decode with 16-bit K/V (GQA head_dim 64/128, MLA absorbed) runs on tensor cores:
+// cuda_decode_mma.cuh. KDA decode with d_k = d_v = 64 or 128 keeps the state in
+// registers (same file). The rest, described here, is the portable path: fp32 caches,
+// prefill and materialized MLA.
 // Attention (GQA decode/prefill, MLA absorbed, MLA materialized after an up-projection
 // pass) shares one paged kernel: a CTA owns one (query, q head, split); its 4 warps
 // take tokens round-robin, lanes split the head dims, every warp keeps an online
@@ -21,6 +25,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "backends.h"
+#include "cuda_decode_mma.cuh"
 #include "kvpool/common/status.h"
 
 namespace kvpool::kernels::internal {
@@ -344,6 +349,16 @@ class CudaBackend final : public KernelBackend {
  public:
   CudaBackend(int device, std::string name) : device_(device), name_(std::move(name)) {
     cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
+    cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, device);
+    cudaDeviceGetAttribute(&l2_bytes_, cudaDevAttrL2CacheSize, device);
+    // Decode's split buffers come from the stream-ordered pool; by default the pool
+    // returns memory to the driver at every synchronize, and re-mapping it cost ~0.3 ms
+    // per call. Keep it (the buffers are KiBs to MiBs).
+    cudaMemPool_t pool;
+    if (cudaDeviceGetDefaultMemPool(&pool, device) == cudaSuccess) {
+      uint64_t keep = UINT64_MAX;
+      cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+    }
   }
   ~CudaBackend() override {
     cudaStreamSynchronize(stream_);
@@ -354,6 +369,7 @@ class CudaBackend final : public KernelBackend {
   MemorySpace memory_space() const override { return MemorySpace::kDevice; }
   int num_threads() const override { return 0; }
   std::string Describe() const override { return name_; }
+  size_t cache_bytes() const override { return static_cast<size_t>(std::max(l2_bytes_, 0)); }
 
   absl::StatusOr<void*> Allocate(size_t bytes) override {
     void* p = nullptr;
@@ -385,6 +401,14 @@ class CudaBackend final : public KernelBackend {
     AttnArgs a = Common(p.kv.k, p.kv.v, p.kv.num_kv_heads * p.kv.head_dim, p.kv.head_dim, p.kv.head_dim,
                         p.kv.page_size, p.kv.num_pages, p.table, p.num_q_heads, p.kv.num_kv_heads, p.scale);
     a.q = p.q;
+    if (MmaDtype(p.kv.dtype) && (p.kv.head_dim == 64 || p.kv.head_dim == 128) &&
+        Aligned16(p.kv.k, p.kv.v, a.k_stride, a.k_head, p.kv.dtype)) {
+      mma::Args m = MmaArgs(a, p.kv.num_kv_heads);
+      m.v = p.kv.v;
+      m.v_stride = a.v_stride;
+      m.v_head = a.v_head;
+      return DecodeMma(m, p.table.batch, p.kv.dtype, p.kv.head_dim, p.kv.head_dim, p.kv.num_kv_heads, p.out);
+    }
     return Decode(a, p.kv.dtype, kGqaSplitTokens, p.out);
   }
 
@@ -408,6 +432,12 @@ class CudaBackend final : public KernelBackend {
     a.dk = p.kv.EntryDim();
     a.dv = p.kv.kv_lora_rank;
     a.q = p.q;
+    if (MmaDtype(p.kv.dtype) && p.kv.kv_lora_rank == 512 && p.kv.rope_dim == 64 &&
+        Aligned16(p.kv.entries, p.kv.entries, a.k_stride, 0, p.kv.dtype)) {
+      mma::Args m = MmaArgs(a, 1);
+      m.k_head = 0;
+      return DecodeMma(m, p.table.batch, p.kv.dtype, 576, 512, 1, p.out);
+    }
     return Decode(a, p.kv.dtype, kMlaSplitTokens, p.out);
   }
 
@@ -468,7 +498,19 @@ class CudaBackend final : public KernelBackend {
 
   absl::Status DoKdaDecode(const KdaDecodeParams& p) override {
     RETURN_IF_ERROR(GridLimit(p.pool.num_heads, "pool.num_heads", "one block row per head"));
-    KdaDecodeKernel<<<dim3(p.batch, p.pool.num_heads), 256, 0, stream_>>>(p);
+    const dim3 grid(p.batch, p.pool.num_heads);
+    const int dk = p.pool.d_k, dv = p.pool.d_v;
+    if (dk == 128 && dv == 128) {
+      mma::KdaDecodeTiledKernel<128, 128><<<grid, 256, 0, stream_>>>(
+          p.q, p.k, p.v, p.g, p.beta, p.slots, p.pool.states, p.pool.num_slots, p.pool.num_heads, p.scale,
+          p.l2_normalize_qk, p.out);
+    } else if (dk == 64 && dv == 64) {
+      mma::KdaDecodeTiledKernel<64, 64><<<grid, 256, 0, stream_>>>(
+          p.q, p.k, p.v, p.g, p.beta, p.slots, p.pool.states, p.pool.num_slots, p.pool.num_heads, p.scale,
+          p.l2_normalize_qk, p.out);
+    } else {
+      KdaDecodeKernel<<<grid, 256, 0, stream_>>>(p);
+    }
     return CudaStatus(cudaGetLastError(), "kda decode launch");
   }
 
@@ -498,6 +540,103 @@ class CudaBackend final : public KernelBackend {
     a.group = num_q_heads / num_kv_heads;
     a.scale = scale;
     return a;
+  }
+
+  static bool MmaDtype(DType d) { return d == DType::kBf16 || d == DType::kFp16; }
+
+  // cp.async moves 16-byte chunks: base pointers, the slot stride and the head offset
+  // must keep every row 16-byte aligned (else the portable kernel runs).
+  static bool Aligned16(const void* k, const void* v, int64_t stride, int64_t head, DType d) {
+    const int64_t esz = ElementBytes(d);
+    return reinterpret_cast<uintptr_t>(k) % 16 == 0 && reinterpret_cast<uintptr_t>(v) % 16 == 0 &&
+           (stride * esz) % 16 == 0 && (head * esz) % 16 == 0;
+  }
+
+  static mma::Args MmaArgs(const AttnArgs& a, int num_kv_heads) {
+    mma::Args m{};
+    m.q = a.q;
+    m.k = a.k;
+    m.v = a.v;
+    m.k_stride = a.k_stride;
+    m.v_stride = a.v_stride;
+    m.k_head = a.k_head;
+    m.v_head = a.v_head;
+    m.page_size = a.page_size;
+    m.num_pages = a.num_pages;
+    m.block_table = a.block_table;
+    m.max_blocks = a.max_blocks;
+    m.seq_lens = a.seq_lens;
+    m.num_q_heads = a.num_q_heads;
+    m.group = a.num_q_heads / num_kv_heads;
+    m.head_tiles = (m.group + mma::kRows - 1) / mma::kRows;
+    m.scale = a.scale;
+    return m;
+  }
+
+  // Tensor-core decode: grid (batch, kv heads x head tiles, splits). Splits of
+  // kGqaSplitTokens / kMlaSplitTokens cover max_blocks * page_size (seq_lens stay on
+  // the device); more than one split writes partials that MergeSplitsKernel combines
+  // in split order.
+  //
+  // Configurations (template <dtype, DK, DV, stages, V = K's first DV columns, warps,
+  // tile tokens>), chosen by measurement on an H200 (kernels/README.md):
+  //   GQA d=128: 8 warps, 64-token tiles, 2 stages: 2 CTAs per SM (registers).
+  //   GQA d=64:  4 warps, 64-token tiles, 2 stages (3 stages measured slower).
+  //   MLA:       4 warps, 32-token tiles, 2 stages, ~91 KiB of shared memory: 2 CTAs
+  //              per SM, so one CTA's barriers overlap the other's work (8 or 16 warps
+  //              in one 64-token CTA: 0.44-0.69 of the copy; this: 0.39-0.85, best on
+  //              large batches). 512-token splits instead of 1024 measured worse on
+  //              the large shapes (0.64-0.75) for little gain on the small ones.
+  absl::Status DecodeMma(mma::Args m, int batch, DType dtype, int dk, int dv, int num_kv_heads, float* out) {
+    const int64_t grid_y = static_cast<int64_t>(num_kv_heads) * m.head_tiles;
+    RETURN_IF_ERROR(GridLimit(grid_y, "kv heads x ceil(q heads per kv head / 16)", "one block row per head tile"));
+    if (batch == 0) return absl::OkStatus();
+    constexpr int kT = 64;  // the largest tile the kernels use
+    const int64_t cap = std::max<int64_t>(1, static_cast<int64_t>(m.max_blocks) * m.page_size);
+    // Fixed split boundaries (not sized to fill the GPU): a sequence's result must not
+    // depend on the batch it is in (kernels/README.md), and splits sized by the batch
+    // changed the merge and its rounding.
+    static_assert(kGqaSplitTokens % kT == 0 && kMlaSplitTokens % kT == 0, "whole tiles per split");
+    static_assert(kGqaSplitTokens <= mma::kMaxSplitTokens && kMlaSplitTokens <= mma::kMaxSplitTokens,
+                  "a split's pages fit the kernel's shared-memory table");
+    const int64_t split_tokens = dk == 576 ? kMlaSplitTokens : kGqaSplitTokens;
+    const int64_t splits = (cap + split_tokens - 1) / split_tokens;
+    RETURN_IF_ERROR(GridLimit(splits, "table.max_blocks * page_size / split tokens", "one block layer per split"));
+    m.split_tokens = static_cast<int>(split_tokens);
+    m.max_splits = static_cast<int>(splits);
+    m.out = out;
+    const int64_t rows = static_cast<int64_t>(batch) * m.num_q_heads * splits;
+    if (splits > 1) {
+      RETURN_IF_ERROR(CudaStatus(cudaMallocAsync(reinterpret_cast<void**>(&m.part_acc), rows * dv * 4, stream_), "alloc"));
+      if (absl::Status st = CudaStatus(cudaMallocAsync(reinterpret_cast<void**>(&m.part_ml), rows * 2 * 4, stream_), "alloc");
+          !st.ok()) {
+        cudaFreeAsync(m.part_acc, stream_);
+        return st;
+      }
+    }
+    const dim3 grid(batch, static_cast<unsigned>(grid_y), static_cast<unsigned>(splits));
+    const bool bf16 = dtype == DType::kBf16;
+    cudaError_t e;
+    if (dk == 576) {
+      e = bf16 ? mma::LaunchDecode<__nv_bfloat16, 576, 512, 2, true, 4, 32>(m, grid, stream_)
+               : mma::LaunchDecode<__half, 576, 512, 2, true, 4, 32>(m, grid, stream_);
+    } else if (dk == 128) {
+      e = bf16 ? mma::LaunchDecode<__nv_bfloat16, 128, 128, 2, false, 8, 64>(m, grid, stream_)
+               : mma::LaunchDecode<__half, 128, 128, 2, false, 8, 64>(m, grid, stream_);
+    } else {
+      e = bf16 ? mma::LaunchDecode<__nv_bfloat16, 64, 64, 2, false, 4, 64>(m, grid, stream_)
+               : mma::LaunchDecode<__half, 64, 64, 2, false, 4, 64>(m, grid, stream_);
+    }
+    if (e == cudaSuccess && splits > 1) {
+      MergeSplitsKernel<<<dim3(batch, m.num_q_heads), 128, 0, stream_>>>(m.part_acc, m.part_ml, m.max_splits,
+                                                                         m.num_q_heads, dv, out);
+      e = cudaGetLastError();
+    }
+    if (splits > 1) {
+      cudaFreeAsync(m.part_acc, stream_);
+      cudaFreeAsync(m.part_ml, stream_);
+    }
+    return CudaStatus(e, "tensor-core decode launch");
   }
 
   // q_indptr[batch] read back from the device: the grid size of a prefill.
@@ -534,6 +673,8 @@ class CudaBackend final : public KernelBackend {
   }
 
   int device_;
+  int sms_ = 0;
+  int l2_bytes_ = 0;
   std::string name_;
   cudaStream_t stream_ = nullptr;
 };

@@ -84,6 +84,10 @@ class KernelBackend {
   // What runs the kernels, for reports: "avx2 x 2 threads", a GPU name, ...
   virtual std::string Describe() const = 0;
 
+  // Bytes of the cache closest to memory that the kernels share (the GPU's L2); 0 when
+  // the backend does not know (CPU backends: the benchmark reads sysfs itself).
+  virtual size_t cache_bytes() const { return 0; }
+
   // Blocks until work queued by previous calls is done (a no-op on CPU backends).
   virtual absl::Status Synchronize() { return absl::OkStatus(); }
 
