@@ -12,7 +12,8 @@
 # Env: GPU_CHECK_CPU_BENCH=0 skips the CPU reference bench.
 # Writes: nvidia-smi.txt, ctest-gpu.log, ctest-gpu.xml (JUnit), kernels_bench_gpu.json,
 #         kernels_bench_cpu.json (same run, for comparison), summary.txt.
-# Exit status: non-zero when configure/build fails or any gpu test fails.
+# Exit status: non-zero when configure/build fails, any gpu test fails, or the tests
+# skipped because the CUDA backend was not usable (no device, driver too old).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -89,8 +90,8 @@ if [[ -n "${PREBUILT}" ]]; then
   log "running kernels_gpu_test (the gpu label's one binary)"
   timeout 300 "${GPU_TEST}" --gtest_output="xml:${RESULTS}/ctest-gpu.xml" >"${RESULTS}/ctest-gpu.log" 2>&1
   test_rc=$?
-  log "gpu tests: rc=${test_rc}; $(grep -E '^\[  (PASSED|FAILED|SKIPPED) \] [0-9]+ tests?' "${RESULTS}/ctest-gpu.log" | tr '\n' ' ')"
-  grep -E '^\[  FAILED  \] [A-Za-z]' "${RESULTS}/ctest-gpu.log" | head -40 | tee -a "${RESULTS}/summary.txt"
+  log "gpu tests: rc=${test_rc}; $(grep -E '^\[ +(PASSED|FAILED|SKIPPED) +\] [0-9]+ tests?' "${RESULTS}/ctest-gpu.log" | tr '\n' ' ')"
+  grep -E '^\[ +FAILED +\] [A-Za-z]' "${RESULTS}/ctest-gpu.log" | head -40 | tee -a "${RESULTS}/summary.txt"
 else
   log "running ctest -L gpu"
   (cd "${BUILD}" && timeout 300 ctest -L gpu --output-on-failure --timeout 240 \
@@ -101,6 +102,11 @@ else
   if [[ "${skipped}" != 0 ]]; then
     log "note: skipped tests are the host-only argument checks or mean no usable GPU; see ctest-gpu.log"
   fi
+fi
+# Tests skip (and pass) when the CUDA backend cannot be created; here that is a failure.
+if grep -q "CUDA kernel backend not usable here" "${RESULTS}/ctest-gpu.log"; then
+  log "FAIL: the CUDA backend was not usable: $(grep -m1 -o 'CUDA kernel backend not usable here.*' "${RESULTS}/ctest-gpu.log")"
+  test_rc=5
 fi
 
 # 4. Benchmarks: GPU (fractions of a device-to-device copy) and CPU for reference.

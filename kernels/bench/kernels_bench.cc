@@ -145,7 +145,6 @@ double CpuSeconds() {
 // (below the thread count on a shared machine, which deflates compute-bound points
 // more than the copy probe).
 double g_last_cores = 0;
-int g_last_calls = 1;  // calls per timed repetition (GPU: back-to-back)
 
 // --best: report each point's fastest repetition instead of the median (probes too).
 // On a loaded machine the fastest short repetition is the one that ran uninterrupted;
@@ -162,13 +161,13 @@ double Time(KernelBackend* be, const std::function<void()>& fn, double min_total
   };
   timed(1);
   // On a GPU one call plus a synchronize times the host round trip (~10-20 us), not a
-  // kernel of a few us: a repetition there is back-to-back calls (>= ~2 ms of them)
-  // and one synchronize, divided by the calls (how nvbench and FlashInfer time).
+  // kernel of a few us: a repetition there is back-to-back calls and one synchronize,
+  // divided by the calls (how nvbench and FlashInfer time). The calls double until a
+  // repetition takes >= 2 ms, so the synchronize is a small part of it.
   int calls = 1;
   if (be->memory_space() == MemorySpace::kDevice) {
-    calls = static_cast<int>(std::clamp(2e-3 / std::max(timed(1), 1e-7), 1.0, 1000.0));
+    while (calls < (1 << 16) && timed(calls) < 2e-3) calls *= 2;
   }
-  g_last_calls = calls;
   std::vector<double> runs;
   double total = 0;
   const double cpu0 = CpuSeconds();

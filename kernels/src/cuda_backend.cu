@@ -349,20 +349,29 @@ class CudaBackend final : public KernelBackend {
  public:
   CudaBackend(int device, std::string name) : device_(device), name_(std::move(name)) {
     cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
-    cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, device);
     cudaDeviceGetAttribute(&l2_bytes_, cudaDevAttrL2CacheSize, device);
-    // Decode's split buffers come from the stream-ordered pool; by default the pool
-    // returns memory to the driver at every synchronize, and re-mapping it cost ~0.3 ms
-    // per call. Keep it (the buffers are KiBs to MiBs).
-    cudaMemPool_t pool;
-    if (cudaDeviceGetDefaultMemPool(&pool, device) == cudaSuccess) {
+    // The tensor-core decode's split partials come from a pool of the backend's own
+    // that keeps its memory: the default pool returns memory to the driver at every
+    // synchronize, and re-mapping it cost ~0.3 ms per call. A pool of our own leaves the
+    // process-wide default pool (other libraries' cudaMallocAsync) as it was. It holds
+    // at most the largest partials of one decode (batch x q heads x splits x (dv + 2)
+    // floats). Without it, decode falls back to the default pool.
+    cudaMemPoolProps props{};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device;
+    if (cudaMemPoolCreate(&partials_pool_, &props) == cudaSuccess) {
       uint64_t keep = UINT64_MAX;
-      cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+      cudaMemPoolSetAttribute(partials_pool_, cudaMemPoolAttrReleaseThreshold, &keep);
+    } else {
+      partials_pool_ = nullptr;
+      cudaGetLastError();  // clear the error the failed call left for the next launch check
     }
   }
   ~CudaBackend() override {
     cudaStreamSynchronize(stream_);
     cudaStreamDestroy(stream_);
+    if (partials_pool_ != nullptr) cudaMemPoolDestroy(partials_pool_);
   }
 
   Backend kind() const override { return Backend::kCuda; }
@@ -607,9 +616,14 @@ class CudaBackend final : public KernelBackend {
     m.out = out;
     const int64_t rows = static_cast<int64_t>(batch) * m.num_q_heads * splits;
     if (splits > 1) {
-      RETURN_IF_ERROR(CudaStatus(cudaMallocAsync(reinterpret_cast<void**>(&m.part_acc), rows * dv * 4, stream_), "alloc"));
-      if (absl::Status st = CudaStatus(cudaMallocAsync(reinterpret_cast<void**>(&m.part_ml), rows * 2 * 4, stream_), "alloc");
-          !st.ok()) {
+      auto alloc = [&](float** p, int64_t bytes) {
+        return CudaStatus(partials_pool_ != nullptr
+                              ? cudaMallocFromPoolAsync(reinterpret_cast<void**>(p), bytes, partials_pool_, stream_)
+                              : cudaMallocAsync(reinterpret_cast<void**>(p), bytes, stream_),
+                          "alloc decode partials");
+      };
+      RETURN_IF_ERROR(alloc(&m.part_acc, rows * dv * 4));
+      if (absl::Status st = alloc(&m.part_ml, rows * 2 * 4); !st.ok()) {
         cudaFreeAsync(m.part_acc, stream_);
         return st;
       }
@@ -673,8 +687,8 @@ class CudaBackend final : public KernelBackend {
   }
 
   int device_;
-  int sms_ = 0;
   int l2_bytes_ = 0;
+  cudaMemPool_t partials_pool_ = nullptr;
   std::string name_;
   cudaStream_t stream_ = nullptr;
 };

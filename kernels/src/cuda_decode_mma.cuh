@@ -17,7 +17,8 @@
 //   PV:  warp w owns output columns [w DV/NW, (w+1) DV/NW) over all TT tokens:
 //        O += P V (A = P from shared memory, B = V via ldmatrix.trans).
 // Precision: the MMAs take 16-bit inputs, the cache's own dtype for K and V (exact), but
-// q and p are fp32. Each is split into hi + lo 16-bit parts (x = hi + lo + O(2^-16 x))
+// q and p are fp32. Each is split into hi + lo 16-bit parts (x = hi + lo + O(2^-16 x);
+// with fp16 caches q must stay below fp16's 65504 in magnitude, p is <= 1)
 // and both parts are multiplied, so scores and weights carry ~16 mantissa bits instead
 // of 8: the results stay within the fp32 oracle tolerance of tests/kernels. The extra
 // MMAs are free here: decode is bound by memory, not by the tensor cores.
@@ -260,7 +261,10 @@ __global__ void __launch_bounds__(32 * NW) DecodeKernel(Args a) {
     Ldsm4(qf_hi[i], q_hi + (lane & 15) * L::kQs + (kk0 + i) * 16 + (lane >> 4) * 8);
     Ldsm4(qf_lo[i], q_lo + (lane & 15) * L::kQs + (kk0 + i) * 16 + (lane >> 4) * 8);
   }
-  __syncthreads();  // Q's shared memory is the stage ring's: read before the copies
+  // Q's shared memory is the stage ring's: every thread's generic accesses to it are
+  // ordered before the bulk copies (async proxy) that overwrite it.
+  FenceProxyAsync();
+  __syncthreads();
 
   const T* const K = static_cast<const T*>(a.k);
   const T* const V = static_cast<const T*>(SHARED_V ? a.k : a.v);
@@ -574,13 +578,13 @@ __global__ void __launch_bounds__(32 * NW) DecodeKernel(Args a) {
   }
 }
 
-// Sets the kernel's dynamic shared memory limit once, then launches.
+// Sets the kernel's dynamic shared memory limit (a per-device setting, so on every
+// launch: it is cheap), then launches.
 template <typename T, int DK, int DV, int STAGES, bool SHARED_V, int NW, int TT>
 cudaError_t LaunchDecode(const Args& a, dim3 grid, cudaStream_t st) {
   constexpr size_t kBytes = Layout<DK, DV, STAGES, SHARED_V, NW, TT>::kBytes;
-  static const cudaError_t attr = cudaFuncSetAttribute(DecodeKernel<T, DK, DV, STAGES, SHARED_V, NW, TT>,
-                                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                       static_cast<int>(kBytes));
+  const cudaError_t attr = cudaFuncSetAttribute(DecodeKernel<T, DK, DV, STAGES, SHARED_V, NW, TT>,
+                                                cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kBytes));
   if (attr != cudaSuccess) return attr;
   DecodeKernel<T, DK, DV, STAGES, SHARED_V, NW, TT><<<grid, 32 * NW, kBytes, st>>>(a);
   return cudaGetLastError();
