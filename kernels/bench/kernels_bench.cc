@@ -555,7 +555,7 @@ int Main(int argc, char** argv) {
   };
 
   // Targets: GQA at >= 4K context, MLA, KDA, over working sets >= 64 MiB and >= 2x the
-  // last-level cache (so no target point is served from cache; CPU only).
+  // last-level cache (so no target point is served from cache; on cuda the GPU's L2).
   const size_t llc = gpu ? be->cache_bytes() : LlcBytes();
   const double target_min_bytes = std::max(64.0 * (1 << 20), 2.0 * llc);
   struct Target { const char* kernel; int min_ctx; double cpu, gpu; };

@@ -553,8 +553,8 @@ class CudaBackend final : public KernelBackend {
 
   static bool MmaDtype(DType d) { return d == DType::kBf16 || d == DType::kFp16; }
 
-  // cp.async moves 16-byte chunks: base pointers, the slot stride and the head offset
-  // must keep every row 16-byte aligned (else the portable kernel runs).
+  // Bulk copies need 16-byte aligned addresses: base pointers, the slot stride and the
+  // head offset must keep every row 16-byte aligned (else the portable kernel runs).
   static bool Aligned16(const void* k, const void* v, int64_t stride, int64_t head, DType d) {
     const int64_t esz = ElementBytes(d);
     return reinterpret_cast<uintptr_t>(k) % 16 == 0 && reinterpret_cast<uintptr_t>(v) % 16 == 0 &&
