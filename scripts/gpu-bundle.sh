@@ -10,6 +10,11 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DIR="${1:-${ROOT}/.gpu}"
 BUILD="${ROOT}/build/gpu-bundle"
+# DIR is replaced whole: refuse a folder that is not an earlier bundle.
+if [[ -e "${DIR}" && ! -f "${DIR}/commit" ]]; then
+  echo "gpu-bundle: ${DIR} exists and is not a bundle (no commit file); name a new folder" >&2
+  exit 2
+fi
 NVCC="${CUDACXX:-/usr/local/cuda/bin/nvcc}"
 [[ -x "${NVCC}" ]] || NVCC="$(command -v nvcc || true)"
 [[ -n "${NVCC}" && -x "${NVCC}" ]] || { echo "gpu-bundle: nvcc not found (set CUDACXX)" >&2; exit 2; }
