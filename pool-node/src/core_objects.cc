@@ -3,6 +3,7 @@
 #include <xxh_x86dispatch.h>  // XXH3 with AVX2/AVX-512 chosen at run time
 
 #include <cstring>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "core_impl.h"
@@ -368,7 +369,8 @@ size_t PoolCore::Impl::DemoteBatch(size_t max_objects, uint64_t stop_at_used_pag
       if (candidates.size() >= max_objects) break;
       const Object* o = Find(key);
       if (!Evictable(*o, kD)) continue;
-      if (alloc_[kD]->used_pages() <= stop_at_used_pages + planned) break;
+      // Pages another round is writing out leave DRAM too (DemotePipelined).
+      if (alloc_[kD]->used_pages() <= stop_at_used_pages + planned + demoting_pages_) break;
       planned += o->pages[kD].size();
       candidates.push_back(key);
     }
@@ -386,6 +388,7 @@ size_t PoolCore::Impl::DemoteBatch(size_t max_objects, uint64_t stop_at_used_pag
       auto pages = alloc_[kN]->Allocate(static_cast<uint32_t>(n));
       if (!pages) break;
       o->demoting = true;
+      demoting_pages_ += n;
       Pin(*o);
       moves.push_back(Move{key, std::move(*pages), o->pages[kD]});
     }
@@ -405,6 +408,7 @@ size_t PoolCore::Impl::DemoteBatch(size_t max_objects, uint64_t stop_at_used_pag
   for (Move& m : moves) {
     Object* o = Find(m.key);  // pinned: still present with its DRAM copy
     o->demoting = false;
+    demoting_pages_ -= m.dram_pages.size();
     Unpin(*o);
     if (!io.ok()) {
       alloc_[kN]->Free(m.nvme_pages);
@@ -426,6 +430,35 @@ size_t PoolCore::Impl::DemoteBatch(size_t max_objects, uint64_t stop_at_used_pag
       }
     }
   }
+  return moved;
+}
+
+size_t PoolCore::Impl::DemotePipelined(size_t max_objects, uint64_t stop_at_used_pages) {
+  constexpr size_t kRound = 64;
+  absl::Mutex m;
+  size_t taken = 0;  // moved, plus what rounds in flight may move
+  size_t moved = 0;
+  // A round that moves nothing ends its thread only: the other round may hold the
+  // objects this one would have found (and its parents become leaves once it is done).
+  auto rounds = [&] {
+    for (;;) {
+      size_t want;
+      {
+        absl::MutexLock l(&m);
+        if (taken >= max_objects) return;
+        want = std::min(kRound, max_objects - taken);
+        taken += want;
+      }
+      const size_t n = DemoteBatch(want, stop_at_used_pages);
+      absl::MutexLock l(&m);
+      taken -= want - std::min(n, want);
+      moved += n;
+      if (n == 0) return;
+    }
+  };
+  std::thread second(rounds);
+  rounds();
+  second.join();
   return moved;
 }
 

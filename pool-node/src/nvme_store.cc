@@ -289,8 +289,14 @@ NvmeStore::~NvmeStore() {
 absl::Status NvmeStore::Transfer(bool write, std::span<const uint32_t> nvme_pages,
                                  std::span<std::byte* const> memory,
                                  std::vector<absl::Status>* page_status) {
+  return FinishTransfer(*StartTransfer(write, nvme_pages, memory), page_status);
+}
+
+std::unique_ptr<NvmeStore::PendingTransfer> NvmeStore::StartTransfer(
+    bool write, std::span<const uint32_t> nvme_pages, std::span<std::byte* const> memory) {
+  auto t = std::make_unique<PendingTransfer>();
   std::vector<IoOp> ops;
-  std::vector<size_t> op_of_page(nvme_pages.size());
+  t->op_of_page.resize(nvme_pages.size());
   for (size_t i = 0; i < nvme_pages.size(); ++i) {
     const uint64_t off = static_cast<uint64_t>(nvme_pages[i]) * page_bytes_;
     if (!ops.empty()) {
@@ -298,18 +304,23 @@ absl::Status NvmeStore::Transfer(bool write, std::span<const uint32_t> nvme_page
       if (last.file_offset + last.bytes == off && last.buffer + last.bytes == memory[i] &&
           last.bytes + page_bytes_ <= kMaxOpBytes) {
         last.bytes += static_cast<uint32_t>(page_bytes_);
-        op_of_page[i] = ops.size() - 1;
+        t->op_of_page[i] = ops.size() - 1;
         continue;
       }
     }
-    op_of_page[i] = ops.size();
+    t->op_of_page[i] = ops.size();
     ops.push_back(IoOp{write, off, memory[i], static_cast<uint32_t>(page_bytes_)});
   }
-  if (page_status == nullptr) return engine_->Run(ops);
-  std::vector<absl::Status> op_status;
-  absl::Status st = engine_->Run(ops, &op_status);
-  page_status->resize(nvme_pages.size());
-  for (size_t i = 0; i < nvme_pages.size(); ++i) (*page_status)[i] = op_status[op_of_page[i]];
+  engine_->Submit(t->batch, ops, &t->op_status);
+  return t;
+}
+
+absl::Status NvmeStore::FinishTransfer(PendingTransfer& t, std::vector<absl::Status>* page_status) {
+  absl::Status st = engine_->Wait(t.batch);
+  if (page_status != nullptr) {
+    page_status->resize(t.op_of_page.size());
+    for (size_t i = 0; i < t.op_of_page.size(); ++i) (*page_status)[i] = t.op_status[t.op_of_page[i]];
+  }
   return st;
 }
 

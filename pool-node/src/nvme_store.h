@@ -69,6 +69,17 @@ class NvmeStore {
   absl::Status Transfer(bool write, std::span<const uint32_t> nvme_pages,
                         std::span<std::byte* const> memory,
                         std::vector<absl::Status>* page_status = nullptr);
+  // Transfer in two halves (UringEngine::Submit/Wait): StartTransfer queues the ops and
+  // returns; FinishTransfer waits for them, with Transfer's result. Every started
+  // transfer must be finished.
+  struct PendingTransfer {
+    UringEngine::Batch batch;
+    std::vector<size_t> op_of_page;
+    std::vector<absl::Status> op_status;
+  };
+  std::unique_ptr<PendingTransfer> StartTransfer(bool write, std::span<const uint32_t> nvme_pages,
+                                                 std::span<std::byte* const> memory);
+  absl::Status FinishTransfer(PendingTransfer& t, std::vector<absl::Status>* page_status = nullptr);
 
   absl::Status JournalAdd(std::span<const NvmeRecord> records);
   absl::Status JournalRemove(std::span<const ObjectKey> keys);

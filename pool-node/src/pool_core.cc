@@ -381,6 +381,7 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
     std::vector<uint32_t> nvme_pages;
     std::vector<uint32_t> dram_pages;
     std::shared_ptr<absl::Notification> done;
+    uint64_t length = 0, checksum = 0;  // the object's (immutable once committed)
   };
   std::vector<ObjectKey> pinned;
   std::vector<Promo> promos;
@@ -443,7 +444,7 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
         o->nvme_busy = true;
         o->promotion = std::make_shared<absl::Notification>();
         im.SyncHeld(*o);
-        promos.push_back(Promo{key, o->pages[kN], std::move(*pages), o->promotion});
+        promos.push_back(Promo{key, o->pages[kN], std::move(*pages), o->promotion, o->length, o->checksum});
       }
     }
   }
@@ -451,40 +452,51 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
   std::vector<absl::Status> results(promos.size());
   std::vector<char> io_failed(promos.size(), 0);  // a read error, not a checksum mismatch
   if (!promos.empty()) {
-    std::vector<uint32_t> nvme_pages;
-    std::vector<std::byte*> memory;
-    for (const Promo& p : promos) {
-      nvme_pages.insert(nvme_pages.end(), p.nvme_pages.begin(), p.nvme_pages.end());
-      auto a = im.Addresses(p.dram_pages);
-      memory.insert(memory.end(), a.begin(), a.end());
-    }
-    // Per page: a read error fails only the objects it touches (their NVMe copies stay:
-    // the disk may answer next time); the others are checked as usual.
-    std::vector<absl::Status> page_status;
-    (void)im.nvme_->Transfer(/*write=*/false, nvme_pages, memory, &page_status);
-    std::vector<std::pair<uint64_t, uint64_t>> lens;  // (length, expected checksum)
-    {
-      absl::MutexLock l(&im.mu_);
-      for (const Promo& p : promos) {
-        const Object* o = im.Find(p.key);  // nvme_busy keeps it present
-        lens.emplace_back(o->length, o->checksum);
+    // Reads go out in groups of about kVerifyGroupBytes, all queued at once; each group
+    // is verified while the later ones are still being read.
+    constexpr uint64_t kVerifyGroupBytes = 8 << 20;
+    struct Group {
+      size_t first, end;  // promos[first, end)
+      std::unique_ptr<NvmeStore::PendingTransfer> io;
+    };
+    std::vector<Group> groups;
+    for (size_t i = 0; i < promos.size();) {
+      Group g{i, i, nullptr};
+      std::vector<uint32_t> nvme_pages;
+      std::vector<std::byte*> memory;
+      uint64_t bytes = 0;
+      while (g.end < promos.size() && (g.end == g.first || bytes < kVerifyGroupBytes)) {
+        const Promo& p = promos[g.end++];
+        nvme_pages.insert(nvme_pages.end(), p.nvme_pages.begin(), p.nvme_pages.end());
+        auto a = im.Addresses(p.dram_pages);
+        memory.insert(memory.end(), a.begin(), a.end());
+        bytes += p.length;
       }
+      g.io = im.nvme_->StartTransfer(/*write=*/false, nvme_pages, memory);
+      groups.push_back(std::move(g));
+      i = groups.back().end;
     }
-    size_t first_page = 0;
-    for (size_t i = 0; i < promos.size(); ++i) {
-      for (size_t j = 0; j < promos[i].nvme_pages.size() && io_failed[i] == 0; ++j) {
-        if (!page_status[first_page + j].ok()) {
-          results[i] = page_status[first_page + j];
-          io_failed[i] = 1;
+    for (Group& g : groups) {
+      // Per page: a read error fails only the objects it touches (their NVMe copies stay:
+      // the disk may answer next time); the others are checked as usual.
+      std::vector<absl::Status> page_status;
+      (void)im.nvme_->FinishTransfer(*g.io, &page_status);
+      size_t first_page = 0;
+      for (size_t i = g.first; i < g.end; ++i) {
+        for (size_t j = 0; j < promos[i].nvme_pages.size() && io_failed[i] == 0; ++j) {
+          if (!page_status[first_page + j].ok()) {
+            results[i] = page_status[first_page + j];
+            io_failed[i] = 1;
+          }
         }
-      }
-      first_page += promos[i].nvme_pages.size();
-      if (io_failed[i]) continue;
-      const uint64_t got = im.Checksum(promos[i].dram_pages, lens[i].first);
-      if (got != lens[i].second) {
-        results[i] = absl::DataLossError(absl::StrFormat(
-            "NVMe copy of %s failed its checksum (%016x, expected %016x)",
-            promos[i].key.hash.ToHex(), got, lens[i].second));
+        first_page += promos[i].nvme_pages.size();
+        if (io_failed[i]) continue;
+        const uint64_t got = im.Checksum(promos[i].dram_pages, promos[i].length);
+        if (got != promos[i].checksum) {
+          results[i] = absl::DataLossError(absl::StrFormat(
+              "NVMe copy of %s failed its checksum (%016x, expected %016x)",
+              promos[i].key.hash.ToHex(), got, promos[i].checksum));
+        }
       }
     }
     absl::MutexLock l(&im.mu_);
@@ -594,20 +606,10 @@ void PoolCore::RunMaintenance() {
     im.CompactJournal();
   }
   if (im.nvme_ == nullptr || used <= high) return;
-  for (int round = 0; round < 1024; ++round) {
-    if (im.DemoteBatch(64, low) == 0) break;
-  }
+  (void)im.DemotePipelined(64 * 1024, low);
 }
 
-size_t PoolCore::Demote(size_t max_objects) {
-  size_t total = 0;
-  while (total < max_objects) {
-    const size_t n = impl_->DemoteBatch(std::min<size_t>(64, max_objects - total), 0);
-    if (n == 0) break;
-    total += n;
-  }
-  return total;
-}
+size_t PoolCore::Demote(size_t max_objects) { return impl_->DemotePipelined(max_objects, 0); }
 
 PoolStatsSnapshot PoolCore::Stats() const {
   Impl& im = *impl_;

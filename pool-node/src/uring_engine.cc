@@ -7,17 +7,8 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/notification.h"
 
 namespace kvpool::pool_node {
-
-struct UringEngine::Batch {
-  absl::Mutex mu;
-  size_t remaining ABSL_GUARDED_BY(mu) = 0;
-  absl::Status status ABSL_GUARDED_BY(mu);
-  std::vector<absl::Status>* op_status ABSL_GUARDED_BY(mu) = nullptr;  // per op, optional
-  absl::Notification done;
-};
 
 namespace {
 constexpr uint64_t kWakeTag = 1;  // user_data of the eventfd poll; ops carry pointers
@@ -79,9 +70,17 @@ int UringEngine::FixedIndex(const std::byte* p, uint32_t bytes) const {
 }
 
 absl::Status UringEngine::Run(std::span<const IoOp> ops, std::vector<absl::Status>* op_status) {
-  if (op_status != nullptr) op_status->assign(ops.size(), absl::OkStatus());
-  if (ops.empty()) return absl::OkStatus();
   Batch batch;
+  Submit(batch, ops, op_status);
+  return Wait(batch);
+}
+
+void UringEngine::Submit(Batch& batch, std::span<const IoOp> ops, std::vector<absl::Status>* op_status) {
+  if (op_status != nullptr) op_status->assign(ops.size(), absl::OkStatus());
+  if (ops.empty()) {
+    batch.done.Notify();
+    return;
+  }
   {
     absl::MutexLock bl(&batch.mu);
     batch.remaining = ops.size();
@@ -93,6 +92,9 @@ absl::Status UringEngine::Run(std::span<const IoOp> ops, std::vector<absl::Statu
   }
   uint64_t one = 1;
   (void)!write(event_fd_, &one, sizeof(one));
+}
+
+absl::Status UringEngine::Wait(Batch& batch) {
   batch.done.WaitForNotification();
   absl::MutexLock bl(&batch.mu);
   return batch.status;

@@ -25,6 +25,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 
 namespace kvpool::pool_node {
 
@@ -42,16 +43,38 @@ class UringEngine {
                                                              std::span<std::byte> fixed);
   ~UringEngine();
 
+  // One submitted batch of ops. Must stay where it is (not moved or destroyed) until
+  // Wait returned for it.
+  class Batch {
+   public:
+    Batch() = default;
+    Batch(const Batch&) = delete;
+    Batch& operator=(const Batch&) = delete;
+
+   private:
+    friend class UringEngine;
+    absl::Mutex mu;
+    size_t remaining ABSL_GUARDED_BY(mu) = 0;
+    absl::Status status ABSL_GUARDED_BY(mu);
+    std::vector<absl::Status>* op_status ABSL_GUARDED_BY(mu) = nullptr;  // per op, optional
+    absl::Notification done;
+  };
+
   // Runs every op; the first error (as -errno turned into a Status) fails the batch,
   // but the batch still waits for all its ops before returning. `op_status`, when
   // given, gets one status per op (so a caller can tell which ops failed).
   absl::Status Run(std::span<const IoOp> ops, std::vector<absl::Status>* op_status = nullptr);
+  // Run in two halves, so that a caller can work (e.g. verify the data of an earlier
+  // batch) while a batch is in flight: Submit queues the ops and returns at once; Wait
+  // returns when all of them finished, with Run's result. Batches start in the order
+  // they were submitted. `op_status` must outlive the Wait.
+  void Submit(Batch& batch, std::span<const IoOp> ops, std::vector<absl::Status>* op_status = nullptr);
+  absl::Status Wait(Batch& batch);
 
   unsigned queue_depth() const { return queue_depth_; }
   bool registered_buffers() const { return registered_; }
 
  private:
-  struct Batch;
   struct Pending {
     Batch* batch;
     IoOp op;
