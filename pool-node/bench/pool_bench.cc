@@ -292,8 +292,8 @@ bool Precondition(const std::string& path, uint64_t mib) {
 }
 
 // NVMe tier write (demotion of DRAM objects) and read (Lookup promotion incl. checksum)
-// of `objects` new objects (hashes of `round`). Each round writes pages never written
-// before (the tier holds every round), as fio's fresh file does.
+// of `objects` new objects (hashes of `round`), stored as chains of kBatch. Each round
+// writes pages it did not write before in this run (the tier holds every round).
 std::pair<double, double> NvmeTier(Node& n, uint64_t objects, uint64_t round) {
   PoolCore& core = n.server->core();
   for (uint64_t i = 0; i < objects; i += kBatch) {
@@ -301,7 +301,10 @@ std::pair<double, double> NvmeTier(Node& n, uint64_t objects, uint64_t round) {
     for (uint64_t j = i; j < std::min(objects, i + kBatch); ++j) {
       std::vector<uint64_t> p;
       for (uint64_t k = 0; k < kPagesPerObject; ++k) p.push_back(((j * kPagesPerObject) + k) % n.arena->num_pages());
-      items.push_back(PutItem{Hash(round, j), std::nullopt, StateKind::kAttnKv, p, kObject});
+      // Each Put is one request's blocks: a chain of kBatch (as a worker stores them).
+      std::optional<BlockHash> parent;
+      if (j % kBatch != 0) parent = Hash(round, j - 1);
+      items.push_back(PutItem{Hash(round, j), parent, StateKind::kAttnKv, p, kObject});
     }
     if (!n.client->Put(items).ok()) std::exit(1);
   }
@@ -569,10 +572,11 @@ int main(int argc, char** argv) {
                    {"write_vs_fio_median", Median(wr)}, {"read_vs_fio_median", Median(rr)},
                    {"rounds", rounds},
                    {"method", "both files written once first (preconditioning). Per round: Put of "
-                              "objects new 1 MiB objects, Demote of all of them (rounds of 64 "
-                              "objects, two in flight, QD 32) timed, then Lookups of 64 at a time "
-                              "from two threads that promote them (reads + XXH3 check) timed; then fio writes the "
-                              "round's own region of its file and reads it. *_vs_fio: best of the rounds each; "
+                              "--mib new 1 MiB objects in chains of 64, Demote of all of them (rounds "
+                              "of 64 objects, two in flight, QD 32) timed, then Lookups of one chain "
+                              "at a time from two threads that promote them (reads + XXH3 check) "
+                              "timed; then fio writes the round's own region of its file and reads "
+                              "it. *_vs_fio: best of the rounds each; "
                               "*_vs_fio_median: median of the rounds' tier/fio ratios"},
                    {"promotions", n.server->core().Stats().promotions}};
   }

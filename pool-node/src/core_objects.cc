@@ -5,6 +5,7 @@
 #include <cstring>
 #include <thread>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "core_impl.h"
 #include "spdlog/spdlog.h"
@@ -361,23 +362,67 @@ size_t PoolCore::Impl::DemoteBatch(size_t max_objects, uint64_t stop_at_used_pag
   };
   std::vector<Move> moves;
   size_t moved = 0;
+  std::vector<ObjectKey> clean_later;  // clean parents whose DRAM children leave first
+  // Drops the DRAM copies of clean_later, each only once it is a leaf (leaf-first).
+  auto drop_clean_later = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (const ObjectKey& key : clean_later) {
+      Object* o = Find(key);
+      if (o != nullptr && o->copy[kD] && o->copy[kN] && Evictable(*o, kD) && !HasChildIn(*o, kD)) {
+        DropCopy(*o, kD);
+        ++demotions_;
+        ++moved;
+      }
+    }
+  };
   {
     absl::MutexLock l(&mu_);
     uint64_t planned = 0;
-    std::vector<ObjectKey> candidates;
+    std::vector<ObjectKey> candidates;  // children before their parents
+    absl::flat_hash_set<ObjectKey> chosen;
+    // Pages another round is writing out leave DRAM too (DemotePipelined).
+    auto above_target = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return alloc_[kD]->used_pages() > stop_at_used_pages + planned + demoting_pages_;
+    };
+    auto choose = [&](const Object& o) {
+      planned += o.pages[kD].size();
+      candidates.push_back(o.key);
+      chosen.insert(o.key);
+    };
+    // A parent becomes a leaf once its DRAM children leave: it may go in the same round
+    // if every child it has in DRAM was chosen (so a long chain is one round, not one
+    // round per block).
+    auto only_chosen_children = [&](const Object& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      auto it = children_.find(p.key);
+      if (it == children_.end()) return true;
+      for (const BlockHash& c : it->second) {
+        const Object* child = Find(ObjectKey{c, p.key.kind});
+        if (child != nullptr && child->copy[kD] && !chosen.contains(child->key)) return false;
+      }
+      return true;
+    };
     for (const auto& [tick, key] : leaves_[kD]) {
       if (candidates.size() >= max_objects) break;
       const Object* o = Find(key);
       if (!Evictable(*o, kD)) continue;
-      // Pages another round is writing out leave DRAM too (DemotePipelined).
-      if (alloc_[kD]->used_pages() <= stop_at_used_pages + planned + demoting_pages_) break;
-      planned += o->pages[kD].size();
-      candidates.push_back(key);
+      if (!above_target()) break;
+      choose(*o);
+      for (const Object* p = o; p->parent && candidates.size() < max_objects && above_target();) {
+        p = Find(ObjectKey{*p->parent, key.kind});
+        if (p == nullptr || !p->copy[kD] || !Evictable(*p, kD) || chosen.contains(p->key) ||
+            !only_chosen_children(*p)) {
+          break;
+        }
+        choose(*p);
+      }
     }
     for (const ObjectKey& key : candidates) {
       Object* o = Find(key);
       if (o == nullptr || !Evictable(*o, kD) || !o->copy[kD]) continue;
       if (o->copy[kN]) {  // clean: the NVMe copy is already there
+        if (HasChildIn(*o, kD)) {
+          clean_later.push_back(key);
+          continue;
+        }
         DropCopy(*o, kD);
         ++demotions_;
         ++moved;
@@ -392,6 +437,7 @@ size_t PoolCore::Impl::DemoteBatch(size_t max_objects, uint64_t stop_at_used_pag
       Pin(*o);
       moves.push_back(Move{key, std::move(*pages), o->pages[kD]});
     }
+    if (moves.empty()) drop_clean_later();
   }
   if (moves.empty()) return moved;
   std::vector<uint32_t> nvme_pages;
@@ -422,14 +468,16 @@ size_t PoolCore::Impl::DemoteBatch(size_t max_objects, uint64_t stop_at_used_pag
     for (Move& m : moves) {
       Object* o = Find(m.key);
       AddCopy(*o, kN, std::move(m.nvme_pages));
-      // A Lookup may have leased it meanwhile: then it stays in DRAM too.
-      if (Evictable(*o, kD)) {
+      // A Lookup may have leased it meanwhile: then it stays in DRAM too, and so do its
+      // parents in this round (leaf-first; they are clean now, a later round drops them).
+      if (Evictable(*o, kD) && !HasChildIn(*o, kD)) {
         DropCopy(*o, kD);
         ++demotions_;
         ++moved;
       }
     }
   }
+  drop_clean_later();
   return moved;
 }
 

@@ -47,6 +47,19 @@ class NvmeTierTest : public ::testing::Test {
     std::free(buf);
     ::close(fd);
   }
+  // Looks up H(first)..H(first+n-1): one prefix of n blocks, each PutChain's bytes.
+  void ExpectChainReadsBack(PoolCore& core, uint64_t first, uint64_t n, size_t bytes) {
+    LookupSpec spec;
+    for (uint64_t i = first; i < first + n; ++i) spec.hashes.push_back(H(i));
+    auto ans = core.Lookup(spec);
+    ASSERT_TRUE(ans.ok()) << ans.status();
+    ASSERT_EQ(ans->prefix_blocks, n);
+    for (uint64_t i = first; i < first + n; ++i) {
+      auto b = core.ReadObject(ans->lease_id, {H(i), StateKind::kAttnKv});
+      ASSERT_TRUE(b.ok()) << i;
+      EXPECT_TRUE(*b == Pattern(i, bytes)) << i;
+    }
+  }
   testing::TempDir dir_;
   ManualClock clock_;
 };
@@ -140,16 +153,7 @@ TEST_F(NvmeTierTest, BackgroundDemotionRunsBetweenWatermarks) {
   EXPECT_FALSE(core->Inspect({H(17), StateKind::kAttnKv})->in_dram);
   EXPECT_TRUE(core->Inspect({H(17), StateKind::kAttnKv})->on_nvme);
   // The whole chain is still one prefix.
-  LookupSpec spec;
-  for (uint64_t i = 0; i < 18; ++i) spec.hashes.push_back(H(i));
-  auto ans = core->Lookup(spec);
-  ASSERT_TRUE(ans.ok());
-  EXPECT_EQ(ans->prefix_blocks, 18u);
-  for (uint64_t i = 0; i < 18; ++i) {
-    auto b = core->ReadObject(ans->lease_id, {H(i), StateKind::kAttnKv});
-    ASSERT_TRUE(b.ok());
-    EXPECT_TRUE(*b == Pattern(i, kPage)) << i;
-  }
+  ExpectChainReadsBack(*core, 0, 18, kPage);
 }
 
 TEST_F(NvmeTierTest, RestartRecoversTheNvmeTier) {
@@ -259,6 +263,40 @@ TEST_F(NvmeTierTest, ManyObjectsDemoteInPipelinedRoundsAndPromoteInVerifiedGroup
     const uint64_t i = o.key.hash.lo - H(0).lo;
     EXPECT_TRUE(*bytes == Pattern(i, kBytes)) << i;
   }
+}
+
+// A round takes a leaf's parents along once all their DRAM children are in the round
+// (a long chain leaves DRAM in one write, not one round per block), still leaf-first: a
+// parent with a child outside the round stays, and so does a leased block's prefix.
+TEST_F(NvmeTierTest, DemotionTakesParentsAlongOnlyWhenAllTheirChildrenGo) {
+  auto core = Make(64, 64);
+  // H(0) <- H(1) <- H(2), and H(1) <- H(10): H(1) has two children.
+  PutChain(*core, 0, 3, kPage);
+  ASSERT_TRUE(Put(*core, H(10), H(1), Pattern(10, kPage)).ok());
+  EXPECT_EQ(core->Demote(2), 2u);  // the two leaves; H(1) would need a third slot
+  for (uint64_t i : {2, 10}) EXPECT_FALSE(core->Inspect({H(i), StateKind::kAttnKv})->in_dram) << i;
+  for (uint64_t i : {0, 1}) EXPECT_TRUE(core->Inspect({H(i), StateKind::kAttnKv})->in_dram) << i;
+  EXPECT_EQ(core->Demote(1), 1u);  // now H(1) is a leaf
+  EXPECT_FALSE(core->Inspect({H(1), StateKind::kAttnKv})->in_dram);
+  EXPECT_TRUE(core->Inspect({H(0), StateKind::kAttnKv})->in_dram);
+
+  // A chain of 30 whose first 11 blocks are leased: the other 19 go, tail first, and the
+  // leased prefix stays whole in DRAM.
+  PutChain(*core, 100, 30, kPage);
+  LookupSpec spec;
+  for (uint64_t i = 100; i <= 110; ++i) spec.hashes.push_back(H(i));
+  auto lease = core->Lookup(spec);
+  ASSERT_TRUE(lease.ok());
+  ASSERT_EQ(lease->prefix_blocks, 11u);
+  EXPECT_EQ(core->Demote(1000), 19u + 1u);  // and H(0), now a leaf
+  for (uint64_t i = 100; i < 130; ++i) {
+    auto info = core->Inspect({H(i), StateKind::kAttnKv});
+    ASSERT_TRUE(info);
+    EXPECT_EQ(info->in_dram, i <= 110) << i;
+    EXPECT_EQ(info->on_nvme, i > 110) << i;
+  }
+  ASSERT_TRUE(core->Release(lease->lease_id).ok());
+  ExpectChainReadsBack(*core, 100, 30, kPage);
 }
 
 TEST_F(NvmeTierTest, CorruptionAfterRestartIsDetectedToo) {
