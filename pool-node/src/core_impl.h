@@ -101,6 +101,10 @@ class PoolCore::Impl {
   uint64_t checksum_failures_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t demotions_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t demoting_pages_ ABSL_GUARDED_BY(mu_) = 0;  // DRAM pages of objects being written out
+  // NVMe pages of copies dropped while their journal DEL could not be written: the
+  // journal still names them, so they are not reused until a compaction rewrote it.
+  std::vector<uint32_t> nvme_quarantine_ ABSL_GUARDED_BY(mu_);
+  int64_t next_quarantine_compaction_ms_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t promotions_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t reclaimed_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t expired_leases_ ABSL_GUARDED_BY(mu_) = 0;
@@ -155,9 +159,9 @@ class PoolCore::Impl {
   // --- demotion (core_objects.cc) ---
   size_t DemoteBatch(size_t max_objects, uint64_t stop_at_used_pages);
   // Rounds of DemoteBatch (64 objects each) until `max_objects` left DRAM or a round
-  // moves none, two rounds at a time: one round's writes are in flight while the other
-  // picks its objects and journals them, so the io_uring queue does not drain between
-  // rounds. Returns how many objects left DRAM.
+  // moves none, two rounds at a time when there is more than one: one round's writes are
+  // in flight while the other picks its objects and journals them, so the io_uring
+  // queue does not drain between rounds. Returns how many objects left DRAM.
   size_t DemotePipelined(size_t max_objects, uint64_t stop_at_used_pages);
   void BackgroundLoop();
 };

@@ -104,15 +104,19 @@ void PoolCore::Impl::DropCopy(Object& o, int t) {
   if (o.in_leaves[t]) leaves_[t].erase({o.tick, o.key});
   o.in_leaves[t] = false;
   o.copy[t] = false;
-  alloc_[t]->Free(o.pages[t]);
+  absl::Status journal;
+  if (t == static_cast<int>(Tier::kNvme)) journal = nvme_->JournalRemove({&o.key, 1});
+  if (journal.ok()) {
+    alloc_[t]->Free(o.pages[t]);
+  } else {  // a restart would find the object's ADD: its pages must keep its bytes
+    spdlog::error("NVMe journal: {}; its {} pages stay unused until the journal is compacted",
+                  std::string(journal.message()), o.pages[t].size());
+    nvme_quarantine_.insert(nvme_quarantine_.end(), o.pages[t].begin(), o.pages[t].end());
+  }
   used_by_kind_[t][KindIndex(o.key.kind)] -= o.pages[t].size();
   o.pages[t].clear();
   --objects_in_[t];
   SyncHeld(o);
-  if (t == static_cast<int>(Tier::kNvme)) {
-    absl::Status s = nvme_->JournalRemove({&o.key, 1});
-    if (!s.ok()) spdlog::error("NVMe journal: {}", std::string(s.message()));
-  }
   RefreshParent(o);
   if (o.copy[0] || o.copy[1]) return;
   // Last copy gone: erase the object.
@@ -237,8 +241,11 @@ bool PoolCore::Impl::Evict(int t, uint64_t free_pages) {
       }
     }
     if (victim == nullptr) return false;
+    const size_t held_back = nvme_quarantine_.size();
     DropCopy(*victim, t);
     ++evictions_[t];
+    // Its journal DEL failed, so its pages stay unused: evicting more would not help.
+    if (nvme_quarantine_.size() != held_back) return false;
   }
   return true;
 }
@@ -330,6 +337,7 @@ uint64_t PoolCore::Impl::Checksum(const std::vector<uint32_t>& pages, uint64_t l
 void PoolCore::Impl::CompactJournal() {
   constexpr int kN = static_cast<int>(Tier::kNvme);
   std::vector<NvmeRecord> live;
+  std::vector<uint32_t> quarantine;  // free once the rewritten journal no longer names them
   {
     // Journal records are appended under mu_ (AddCopy / DropCopy of the NVMe tier), so
     // this snapshot is the journal's live set; the journal lock is taken before mu_ is
@@ -339,9 +347,15 @@ void PoolCore::Impl::CompactJournal() {
     for (const auto& [key, o] : objects_) {
       if (o->copy[kN]) live.push_back(NvmeRecord{o->key, o->parent, o->length, o->checksum, o->pages[kN]});
     }
+    quarantine.swap(nvme_quarantine_);
     nvme_->LockJournal();
   }
   absl::Status st = nvme_->CompactJournalAndUnlock(live);
+  {
+    absl::MutexLock l(&mu_);
+    if (st.ok()) alloc_[kN]->Free(quarantine);
+    else nvme_quarantine_.insert(nvme_quarantine_.end(), quarantine.begin(), quarantine.end());
+  }
   if (!st.ok()) {
     spdlog::error("NVMe journal compaction: {}", std::string(st.message()));
   } else {
@@ -349,8 +363,9 @@ void PoolCore::Impl::CompactJournal() {
   }
 }
 
-// One round of demotion: writes up to `max_objects` of the coldest DRAM leaves to NVMe
-// (one io_uring batch) and drops their DRAM copies, stopping once DRAM uses at most
+// One round of demotion: writes up to `max_objects` DRAM objects to NVMe (one io_uring
+// batch): the coldest leaves, each with the parents that become leaves once it leaves;
+// then drops their DRAM copies, children first. Stops choosing once DRAM uses at most
 // `stop_at_used_pages`. Returns how many objects left DRAM.
 size_t PoolCore::Impl::DemoteBatch(size_t max_objects, uint64_t stop_at_used_pages) {
   if (nvme_ == nullptr) return 0;
@@ -362,18 +377,11 @@ size_t PoolCore::Impl::DemoteBatch(size_t max_objects, uint64_t stop_at_used_pag
   };
   std::vector<Move> moves;
   size_t moved = 0;
-  std::vector<ObjectKey> clean_later;  // clean parents whose DRAM children leave first
-  // Drops the DRAM copies of clean_later, each only once it is a leaf (leaf-first).
-  auto drop_clean_later = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    for (const ObjectKey& key : clean_later) {
-      Object* o = Find(key);
-      if (o != nullptr && o->copy[kD] && o->copy[kN] && Evictable(*o, kD) && !HasChildIn(*o, kD)) {
-        DropCopy(*o, kD);
-        ++demotions_;
-        ++moved;
-      }
-    }
-  };
+  // What happens after the write, in candidate order (children before parents): a move
+  // (index into moves) or a clean parent (-1) whose DRAM children leave first. Clean
+  // parents count in demoting_pages_ until then.
+  std::vector<std::pair<ObjectKey, int>> after;
+  uint64_t clean_pages = 0;
   {
     absl::MutexLock l(&mu_);
     uint64_t planned = 0;
@@ -420,7 +428,8 @@ size_t PoolCore::Impl::DemoteBatch(size_t max_objects, uint64_t stop_at_used_pag
       if (o == nullptr || !Evictable(*o, kD) || !o->copy[kD]) continue;
       if (o->copy[kN]) {  // clean: the NVMe copy is already there
         if (HasChildIn(*o, kD)) {
-          clean_later.push_back(key);
+          after.emplace_back(key, -1);
+          clean_pages += o->pages[kD].size();
           continue;
         }
         DropCopy(*o, kD);
@@ -435,11 +444,11 @@ size_t PoolCore::Impl::DemoteBatch(size_t max_objects, uint64_t stop_at_used_pag
       o->demoting = true;
       demoting_pages_ += n;
       Pin(*o);
+      after.emplace_back(key, static_cast<int>(moves.size()));
       moves.push_back(Move{key, std::move(*pages), o->pages[kD]});
     }
-    if (moves.empty()) drop_clean_later();
+    demoting_pages_ += clean_pages;
   }
-  if (moves.empty()) return moved;
   std::vector<uint32_t> nvme_pages;
   std::vector<std::byte*> memory;
   for (const Move& m : moves) {
@@ -447,41 +456,44 @@ size_t PoolCore::Impl::DemoteBatch(size_t max_objects, uint64_t stop_at_used_pag
     auto a = Addresses(m.dram_pages);
     memory.insert(memory.end(), a.begin(), a.end());
   }
-  absl::Status io = nvme_->Transfer(/*write=*/true, nvme_pages, memory);
+  absl::Status io = moves.empty() ? absl::OkStatus() : nvme_->Transfer(/*write=*/true, nvme_pages, memory);
   if (!io.ok()) spdlog::error("NVMe demotion write failed: {}", std::string(io.message()));
   absl::MutexLock l(&mu_);
+  demoting_pages_ -= clean_pages;
   std::vector<NvmeRecord> records;
   for (Move& m : moves) {
     Object* o = Find(m.key);  // pinned: still present with its DRAM copy
     o->demoting = false;
     demoting_pages_ -= m.dram_pages.size();
     Unpin(*o);
-    if (!io.ok()) {
-      alloc_[kN]->Free(m.nvme_pages);
-      continue;
-    }
-    records.push_back(NvmeRecord{o->key, o->parent, o->length, o->checksum, m.nvme_pages});
+    if (io.ok()) records.push_back(NvmeRecord{o->key, o->parent, o->length, o->checksum, m.nvme_pages});
   }
-  if (io.ok()) {
-    absl::Status js = nvme_->JournalAdd(records);
-    if (!js.ok()) spdlog::error("NVMe journal: {}", std::string(js.message()));
-    for (Move& m : moves) {
-      Object* o = Find(m.key);
-      AddCopy(*o, kN, std::move(m.nvme_pages));
-      // A Lookup may have leased it meanwhile: then it stays in DRAM too, and so do its
-      // parents in this round (leaf-first; they are clean now, a later round drops them).
-      if (Evictable(*o, kD) && !HasChildIn(*o, kD)) {
-        DropCopy(*o, kD);
-        ++demotions_;
-        ++moved;
-      }
+  if (io.ok() && !records.empty()) {
+    // Without its journal record a restart would not know the NVMe copy: keep the
+    // DRAM copies and give the NVMe pages back, as after a failed write.
+    io = nvme_->JournalAdd(records);
+    if (!io.ok()) spdlog::error("NVMe journal: {}", std::string(io.message()));
+  }
+  if (!io.ok()) {
+    for (Move& m : moves) alloc_[kN]->Free(m.nvme_pages);
+  }
+  for (const auto& [key, move] : after) {
+    Object* o = Find(key);  // a move's is pinned until above; a clean parent's may be gone
+    if (o == nullptr) continue;
+    if (move >= 0 && io.ok()) AddCopy(*o, kN, std::move(moves[move].nvme_pages));
+    // Leaf-first: a copy goes only once no child has one in DRAM (a child leased
+    // meanwhile stays, and so do its parents, clean now for a later round).
+    if (o->copy[kD] && o->copy[kN] && Evictable(*o, kD) && !HasChildIn(*o, kD)) {
+      DropCopy(*o, kD);
+      ++demotions_;
+      ++moved;
     }
   }
-  drop_clean_later();
   return moved;
 }
 
 size_t PoolCore::Impl::DemotePipelined(size_t max_objects, uint64_t stop_at_used_pages) {
+  if (nvme_ == nullptr || max_objects == 0) return 0;
   constexpr size_t kRound = 64;
   absl::Mutex m;
   size_t taken = 0;  // moved, plus what rounds in flight may move
@@ -504,9 +516,11 @@ size_t PoolCore::Impl::DemotePipelined(size_t max_objects, uint64_t stop_at_used
       if (n == 0) return;
     }
   };
-  std::thread second(rounds);
+  // One round's worth is done by the calling thread alone.
+  std::optional<std::thread> second;
+  if (max_objects > kRound) second.emplace(rounds);
   rounds();
-  second.join();
+  if (second) second->join();
   return moved;
 }
 

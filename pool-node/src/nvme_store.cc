@@ -362,6 +362,7 @@ absl::Status NvmeStore::CompactJournalAndUnlock(std::span<const NvmeRecord> live
 }
 
 absl::Status NvmeStore::Append(const std::string& bytes) {
+  if (append_fault_) RETURN_IF_ERROR(append_fault_());
   absl::MutexLock l(&journal_mu_);
   const off_t end = ::lseek(journal_fd_, 0, SEEK_END);
   absl::Status st = WriteAll(journal_fd_, bytes, "NVMe journal");

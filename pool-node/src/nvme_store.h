@@ -20,6 +20,7 @@
 // does buffered write(2), never an io_uring wait).
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -81,6 +82,9 @@ class NvmeStore {
                                                  std::span<std::byte* const> memory);
   absl::Status FinishTransfer(PendingTransfer& t, std::vector<absl::Status>* page_status = nullptr);
 
+  // Fault injection (tests): called before each journal append; an error fails it.
+  void SetAppendFault(std::function<absl::Status()> fault) { append_fault_ = std::move(fault); }
+
   absl::Status JournalAdd(std::span<const NvmeRecord> records);
   absl::Status JournalRemove(std::span<const ObjectKey> keys);
 
@@ -113,6 +117,7 @@ class NvmeStore {
   absl::Status RewriteJournalLocked(std::span<const NvmeRecord> live)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(journal_mu_);
 
+  std::function<absl::Status()> append_fault_;
   std::string journal_path_;
   absl::Mutex journal_mu_;
   int journal_fd_ ABSL_GUARDED_BY(journal_mu_) = -1;

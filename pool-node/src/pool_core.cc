@@ -95,6 +95,7 @@ absl::StatusOr<std::unique_ptr<PoolCore>> PoolCore::Create(PoolOptions options) 
   if (!o.nvme_dir.empty()) {
     ASSIGN_OR_RETURN(im.nvme_, NvmeStore::Open(o.nvme_dir, o.nvme_bytes, pb, o.io_queue_depth,
                                                {core->arena_, core->arena_bytes()}, &recovered));
+    if (o.journal_append_fault) im.nvme_->SetAppendFault(o.journal_append_fault);
   }
   {
     absl::MutexLock l(&im.mu_);
@@ -202,7 +203,7 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
   // allocated: evicting one of them to make room would tell the client a block is
   // stored that this very call dropped.
   std::vector<ObjectKey> pinned;
-  auto unpin = [&] {
+  auto unpin = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.mu_) {
     for (const ObjectKey& k : pinned) {
       if (Object* o = im.Find(k)) im.Unpin(*o);  // pinned: never evicted, but be safe
     }
@@ -595,14 +596,24 @@ absl::StatusOr<std::string> PoolCore::ReadObject(uint64_t lease_id, const Object
 void PoolCore::RunMaintenance() {
   Impl& im = *impl_;
   uint64_t used, high, low;
+  bool quarantine_due = false;
   {
     absl::MutexLock l(&im.mu_);
-    im.ExpireLocked(im.clock_->NowMs());
+    const int64_t now = im.clock_->NowMs();
+    im.ExpireLocked(now);
     used = im.alloc_[kD]->used_pages();
     high = static_cast<uint64_t>(options_.demote_high_watermark * dram_pages_);
     low = static_cast<uint64_t>(options_.demote_low_watermark * dram_pages_);
+    // Pages held back after a failed journal DEL come back with a compaction, tried
+    // again every kQuarantineRetryMs while the journal keeps failing.
+    constexpr int64_t kQuarantineRetryMs = 10'000;
+    if (!im.nvme_quarantine_.empty() && now >= im.next_quarantine_compaction_ms_) {
+      quarantine_due = true;
+      im.next_quarantine_compaction_ms_ = now + kQuarantineRetryMs;
+    }
   }
-  if (im.nvme_ != nullptr && im.nvme_->JournalWantsCompaction(options_.journal_compact_min_bytes)) {
+  if (im.nvme_ != nullptr &&
+      (quarantine_due || im.nvme_->JournalWantsCompaction(options_.journal_compact_min_bytes))) {
     im.CompactJournal();
   }
   if (im.nvme_ == nullptr || used <= high) return;

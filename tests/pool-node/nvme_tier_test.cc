@@ -2,6 +2,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <thread>
@@ -376,6 +377,66 @@ TEST_F(NvmeTierTest, JournalRecordsThatCannotBeRightAreDroppedAtRestart) {
   core = Make(16, 64);
   EXPECT_EQ(core->Stats().tiers[1].objects, 1u);
   EXPECT_TRUE(core->Inspect({H(0), StateKind::kAttnKv}));
+}
+
+// Journal appends that fail (injected): a demotion whose ADD cannot be written keeps the
+// DRAM copy (a restart would not know the NVMe copy); an NVMe eviction whose DEL cannot
+// be written keeps the evicted copy's pages unused (a restart finds its ADD and reads
+// them), until a compaction rewrote the journal.
+TEST_F(NvmeTierTest, FailedJournalWritesLoseNothingAndCorruptNothing) {
+  std::atomic<bool> fail{false};
+  PoolOptions o;
+  o.journal_append_fault = [&] {
+    return fail ? absl::InternalError("injected journal write error") : absl::OkStatus();
+  };
+  auto core = Make(8, 5, o);
+  PutChain(*core, 0, 4, kPage);  // one chain: H(3) is the NVMe tier's first leaf to go
+  ASSERT_EQ(core->Demote(4), 4u);
+  ASSERT_TRUE(Put(*core, H(1000), std::nullopt, Pattern(1000, kPage)).ok());
+  auto in = [&](uint64_t i) { return core->Inspect({H(i), StateKind::kAttnKv}); };
+
+  fail = true;  // ADD fails: the object stays in DRAM only
+  EXPECT_EQ(core->Demote(1), 0u);
+  ASSERT_TRUE(in(1000));
+  EXPECT_TRUE(in(1000)->in_dram);
+  EXPECT_FALSE(in(1000)->on_nvme);
+  fail = false;
+  ASSERT_EQ(core->Demote(1), 1u);  // into the fifth (free) page
+  ASSERT_TRUE(in(1000)->on_nvme);
+
+  ASSERT_TRUE(Put(*core, H(1001), std::nullopt, Pattern(1001, kPage)).ok());
+  fail = true;  // making room evicts H(3) from NVMe, and its DEL fails: eviction stops
+  EXPECT_EQ(core->Demote(1), 0u);
+  EXPECT_FALSE(in(3));
+  EXPECT_TRUE(in(1001)->in_dram);
+  EXPECT_EQ(core->Stats().tiers[1].used_bytes, 4 * kPage);
+  fail = false;  // H(3)'s page is held back: the next round evicts another leaf
+  ASSERT_EQ(core->Demote(1), 1u);
+  EXPECT_TRUE(in(1001)->on_nvme);
+  const uint32_t held_back_evictions = core->Stats().tiers[1].evictions;
+  EXPECT_EQ(held_back_evictions, 2u);
+
+  // A restart reads the journal: H(3)'s ADD was never undone and its page kept its
+  // bytes, so it comes back intact, beside everything the journal recorded.
+  core.reset();
+  core = Make(8, 5, o);
+  ExpectChainReadsBack(*core, 0, 2, kPage);  // H(2) was evicted with a journal DEL
+  EXPECT_FALSE(in(2));
+  EXPECT_TRUE(in(3) && in(3)->on_nvme);
+  for (uint64_t i : {1000, 1001}) ExpectChainReadsBack(*core, i, 1, kPage);
+
+  // Held-back pages come back with a compaction (maintenance runs one when some are
+  // held back): H(3) fails its DEL again, a compaction frees its page, and the next
+  // round needs no eviction.
+  ASSERT_TRUE(Put(*core, H(2000), std::nullopt, Pattern(2000, kPage)).ok());
+  ASSERT_TRUE(Put(*core, H(2001), std::nullopt, Pattern(2001, kPage)).ok());
+  fail = true;
+  EXPECT_EQ(core->Demote(1), 0u);
+  fail = false;
+  core->RunMaintenance();
+  const uint64_t evictions = core->Stats().tiers[1].evictions;
+  ASSERT_EQ(core->Demote(1), 1u);
+  EXPECT_EQ(core->Stats().tiers[1].evictions, evictions);
 }
 
 TEST_F(NvmeTierTest, ReadErrorIsAMissThatKeepsTheNvmeCopy) {

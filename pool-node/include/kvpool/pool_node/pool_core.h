@@ -98,6 +98,9 @@ struct PoolOptions {
   bool background = true;
   int64_t maintenance_interval_ms = 50;
   Clock* clock = nullptr;       // default: SystemClock()
+  // Fault injection (tests): called before each NVMe journal append; an error fails
+  // that append as a failed write would. Empty: none.
+  std::function<absl::Status()> journal_append_fault = {};
   // May be null. Must outlive the core's last call to it: the end of the last API call
   // and StopBackground() (or the destructor), whichever comes later.
   EventSink* events = nullptr;
@@ -235,8 +238,10 @@ class PoolCore {
   // in progress, the core calls its EventSink no more: a node stops it before it
   // destroys the sink, while the core itself stays usable for the sink's full dump.
   void StopBackground();
-  // Demotes up to `max_objects` of the coldest DRAM leaves to NVMe regardless of the
-  // watermarks; returns how many moved. 0 without an NVMe tier.
+  // Demotes up to `max_objects` DRAM objects to NVMe regardless of the watermarks, in
+  // rounds of 64 (two in flight) of the coldest leaves and the parents that become
+  // leaves with them; DRAM copies drop leaf-first. Returns how many moved. 0 without an
+  // NVMe tier.
   size_t Demote(size_t max_objects);
 
   PoolStatsSnapshot Stats() const;
