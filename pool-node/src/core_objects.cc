@@ -231,6 +231,9 @@ bool PoolCore::Impl::Evict(int t, uint64_t free_pages) {
       alloc_[t]->free_pages() + EvictableDramPages(-1) < free_pages) {
     return false;
   }
+  // While pages are held back the journal is failing: an evicted copy's pages would be
+  // held back too (a restart brings it back, but this node would serve it no more).
+  if (t == static_cast<int>(Tier::kNvme) && !nvme_quarantine_.empty()) return false;
   while (alloc_[t]->free_pages() < free_pages) {
     Object* victim = nullptr;
     for (const auto& [tick, key] : leaves_[t]) {

@@ -345,12 +345,13 @@ absl::Status NvmeStore::RewriteJournalLocked(std::span<const NvmeRecord> live) {
   if (journal_fd_ >= 0) ::close(journal_fd_);
   journal_fd_ = tfd;
   journal_bytes_ = compacted_bytes_ = compact.size();
+  rewrite_due_ = false;
   return absl::OkStatus();
 }
 
 bool NvmeStore::JournalWantsCompaction(uint64_t min_bytes) {
   absl::MutexLock l(&journal_mu_);
-  return journal_bytes_ > min_bytes && journal_bytes_ > 4 * compacted_bytes_;
+  return rewrite_due_ || (journal_bytes_ > min_bytes && journal_bytes_ > 4 * compacted_bytes_);
 }
 
 void NvmeStore::LockJournal() { journal_mu_.Lock(); }
@@ -362,16 +363,18 @@ absl::Status NvmeStore::CompactJournalAndUnlock(std::span<const NvmeRecord> live
 }
 
 absl::Status NvmeStore::Append(const std::string& bytes) {
-  if (append_fault_) RETURN_IF_ERROR(append_fault_());
   absl::MutexLock l(&journal_mu_);
   const off_t end = ::lseek(journal_fd_, 0, SEEK_END);
-  absl::Status st = WriteAll(journal_fd_, bytes, "NVMe journal");
+  absl::Status st = append_fault_ ? append_fault_() : absl::OkStatus();
+  if (st.ok()) st = WriteAll(journal_fd_, bytes, "NVMe journal");
   // A frame cut short mid-journal would end the replay there and lose every later
   // record: cut the file back to where this append began.
   if (!st.ok() && end >= 0 && ::ftruncate(journal_fd_, end) != 0) {
     st = absl::InternalError(absl::StrCat(st.message(), "; and truncating the torn record failed: ",
                                           std::strerror(errno)));
   }
+  // A failed append may have left a torn or partial tail: rewrite the journal soon.
+  if (!st.ok()) rewrite_due_ = true;
   if (st.ok()) journal_bytes_ += bytes.size();
   return st;
 }

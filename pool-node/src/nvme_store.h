@@ -90,7 +90,8 @@ class NvmeStore {
 
   // Online compaction (the journal otherwise grows with every demotion and NVMe eviction
   // until the next start). True once the journal holds more than `min_bytes` and 4x
-  // what its last compaction wrote (so rewriting costs O(1) per record appended).
+  // what its last compaction wrote (so rewriting costs O(1) per record appended), or
+  // when an append failed since the last rewrite (it may have left a torn tail).
   bool JournalWantsCompaction(uint64_t min_bytes);
   // The caller takes a snapshot of the live records under the same lock as its journal
   // calls, calls LockJournal before releasing that lock (so every later record lands in
@@ -123,6 +124,7 @@ class NvmeStore {
   int journal_fd_ ABSL_GUARDED_BY(journal_mu_) = -1;
   uint64_t journal_bytes_ ABSL_GUARDED_BY(journal_mu_) = 0;    // file size
   uint64_t compacted_bytes_ ABSL_GUARDED_BY(journal_mu_) = 0;  // size after the last rewrite
+  bool rewrite_due_ ABSL_GUARDED_BY(journal_mu_) = false;      // an append failed since
 };
 
 }  // namespace kvpool::pool_node
