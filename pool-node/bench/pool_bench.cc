@@ -291,10 +291,10 @@ bool Precondition(const std::string& path, uint64_t mib) {
   return Fio("--filename=" + path, "write", mib) > 0;
 }
 
-// NVMe tier write (Put, then the timed demotion of the DRAM copies) of `objects` new
-// objects (hashes of `round`), stored as chains of kBatch, and then read (Lookup
-// promotion incl. checksum). Each round writes pages it did not write before in this run
-// (the tier holds every round). GB/s.
+// NVMe tier write: Put of `objects` new objects (hashes of `round`) as chains of kBatch,
+// then the timed demotion of their DRAM copies. Each round writes pages it did not write
+// before in this run (the tier holds every round). GB/s. NvmeTierRead reads them back
+// (Lookup promotion incl. checksum).
 double NvmeTierWrite(Node& n, uint64_t objects, uint64_t round) {
   PoolCore& core = n.server->core();
   for (uint64_t i = 0; i < objects; i += kBatch) {
