@@ -229,6 +229,9 @@ absl::StatusOr<std::unique_ptr<NodeServer>> NodeServer::Start(NodeConfig config)
     reg->GetGauge("kvpool_pool_checksum_failures", "Checksum failures (Commit and NVMe read-back)").Set(st.checksum_failures);
     reg->GetGauge("kvpool_pool_demotions", "Objects demoted DRAM -> NVMe").Set(st.demotions);
     reg->GetGauge("kvpool_pool_promotions", "Objects promoted NVMe -> DRAM").Set(st.promotions);
+    reg->GetGauge("kvpool_pool_nvme_held_back_bytes",
+                  "NVMe bytes kept unused after a failed journal write, until the journal is rewritten")
+        .Set(st.nvme_held_back_bytes);
   });
   if (s.cfg.metrics_port >= 0) {
     ASSIGN_OR_RETURN(s.http, MetricsHttpServer::Start(&s.metrics, "0.0.0.0", s.cfg.metrics_port));

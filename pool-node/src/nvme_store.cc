@@ -342,6 +342,15 @@ absl::Status NvmeStore::RewriteJournalLocked(std::span<const NvmeRecord> live) {
     ::unlink(tmp.c_str());
     return ws;
   }
+  // The rename reaches the disk with the directory: without this a power loss could bring
+  // back the old journal, naming pages the new one gave back. (A failure here is logged:
+  // the new journal is in place for this process either way.)
+  const std::string dir = std::filesystem::path(journal_path_).parent_path().string();
+  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd < 0 || ::fsync(dfd) != 0) {
+    spdlog::warn("fsync of {} after rewriting its NVMe journal: {}", dir, std::strerror(errno));
+  }
+  if (dfd >= 0) ::close(dfd);
   if (journal_fd_ >= 0) ::close(journal_fd_);
   journal_fd_ = tfd;
   journal_bytes_ = compacted_bytes_ = compact.size();

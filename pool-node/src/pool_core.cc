@@ -642,6 +642,7 @@ PoolStatsSnapshot PoolCore::Stats() const {
   s.active_leases = im.leases_.size();
   s.pending_reservations = im.reservations_.size();
   s.checksum_failures = im.checksum_failures_;
+  s.nvme_held_back_bytes = im.nvme_quarantine_.size() * page_bytes_;
   s.demotions = im.demotions_;
   s.promotions = im.promotions_;
   s.reclaimed_reservations = im.reclaimed_;

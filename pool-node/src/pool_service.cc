@@ -45,6 +45,7 @@ void FillStats(const PoolStatsSnapshot& s, v1::PoolStats* out) {
   out->set_reclaimed_reservations(s.reclaimed_reservations);
   out->set_expired_leases(s.expired_leases);
   out->set_reserved_bytes(s.reserved_bytes);
+  out->set_nvme_held_back_bytes(s.nvme_held_back_bytes);
 }
 
 namespace {

@@ -410,6 +410,7 @@ TEST_F(NvmeTierTest, FailedJournalWritesLoseNothingAndCorruptNothing) {
   EXPECT_FALSE(in(3));
   EXPECT_TRUE(in(1001)->in_dram);
   EXPECT_EQ(core->Stats().tiers[1].used_bytes, 4 * kPage);
+  EXPECT_EQ(core->Stats().nvme_held_back_bytes, kPage);
   EXPECT_EQ(core->Stats().tiers[1].evictions, 1u);
   fail = false;  // H(3)'s page is held back, and nothing else is evicted meanwhile
   EXPECT_EQ(core->Demote(1), 0u);
@@ -430,7 +431,9 @@ TEST_F(NvmeTierTest, FailedJournalWritesLoseNothingAndCorruptNothing) {
   fail = false;
   EXPECT_EQ(core->Demote(1), 0u);
   const uint64_t evictions = core->Stats().tiers[1].evictions;
+  EXPECT_EQ(core->Stats().nvme_held_back_bytes, kPage);
   core->RunMaintenance();
+  EXPECT_EQ(core->Stats().nvme_held_back_bytes, 0u);
   ASSERT_EQ(core->Demote(1), 1u);  // into the page the compaction gave back
   EXPECT_EQ(core->Stats().tiers[1].evictions, evictions);
   ExpectChainReadsBack(*core, 2000, 1, kPage);

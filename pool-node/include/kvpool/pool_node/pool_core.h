@@ -176,6 +176,9 @@ struct PoolStatsSnapshot {
   uint64_t promotions = 0;
   uint64_t reclaimed_reservations = 0;
   uint64_t expired_leases = 0;
+  // NVMe pages kept unused after a failed journal DEL until the journal is rewritten
+  // (not in tiers[kNvme].used_bytes).
+  uint64_t nvme_held_back_bytes = 0;
 };
 
 // Where an object's copies are (tests, debugging).
