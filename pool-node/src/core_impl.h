@@ -104,7 +104,11 @@ class PoolCore::Impl {
   // NVMe pages of copies dropped while their journal DEL could not be written: the
   // journal still names them, so they are not reused until a compaction rewrote it.
   std::vector<uint32_t> nvme_quarantine_ ABSL_GUARDED_BY(mu_);
-  int64_t next_quarantine_compaction_ms_ ABSL_GUARDED_BY(mu_) = 0;
+  // After a failed compaction, maintenance compacts again (for any reason) no sooner than
+  // this: a failing disk gets a retry every kCompactionRetryMs, not a full rewrite and an
+  // error line every maintenance tick.
+  int64_t next_compaction_ms_ ABSL_GUARDED_BY(mu_) = 0;
+  static constexpr int64_t kCompactionRetryMs = 10'000;
   uint64_t promotions_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t reclaimed_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t expired_leases_ ABSL_GUARDED_BY(mu_) = 0;

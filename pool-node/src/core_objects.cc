@@ -356,8 +356,13 @@ void PoolCore::Impl::CompactJournal() {
   absl::Status st = nvme_->CompactJournalAndUnlock(live);
   {
     absl::MutexLock l(&mu_);
-    if (st.ok()) alloc_[kN]->Free(quarantine);
-    else nvme_quarantine_.insert(nvme_quarantine_.end(), quarantine.begin(), quarantine.end());
+    if (st.ok()) {
+      alloc_[kN]->Free(quarantine);
+      next_compaction_ms_ = 0;
+    } else {
+      nvme_quarantine_.insert(nvme_quarantine_.end(), quarantine.begin(), quarantine.end());
+      next_compaction_ms_ = clock_->NowMs() + kCompactionRetryMs;
+    }
   }
   if (!st.ok()) {
     spdlog::error("NVMe journal compaction: {}", std::string(st.message()));

@@ -334,7 +334,8 @@ absl::Status NvmeStore::RewriteJournalLocked(std::span<const NvmeRecord> live) {
   // journal (no reopen that could fail and leave appends going to the old file).
   int tfd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0600);
   if (tfd < 0) return Errno("open", tmp);
-  absl::Status ws = WriteAll(tfd, compact, tmp);
+  absl::Status ws = write_fault_ ? write_fault_(JournalWrite::kRewrite) : absl::OkStatus();
+  if (ws.ok()) ws = WriteAll(tfd, compact, tmp);
   if (ws.ok() && ::fsync(tfd) != 0) ws = Errno("fsync", tmp);
   if (ws.ok() && ::rename(tmp.c_str(), journal_path_.c_str()) != 0) ws = Errno("rename", tmp);
   if (!ws.ok()) {  // the current journal stays as it was
@@ -374,7 +375,7 @@ absl::Status NvmeStore::CompactJournalAndUnlock(std::span<const NvmeRecord> live
 absl::Status NvmeStore::Append(const std::string& bytes) {
   absl::MutexLock l(&journal_mu_);
   const off_t end = ::lseek(journal_fd_, 0, SEEK_END);
-  absl::Status st = append_fault_ ? append_fault_() : absl::OkStatus();
+  absl::Status st = write_fault_ ? write_fault_(JournalWrite::kAppend) : absl::OkStatus();
   if (st.ok()) st = WriteAll(journal_fd_, bytes, "NVMe journal");
   // A frame cut short mid-journal would end the replay there and lose every later
   // record: cut the file back to where this append began.

@@ -82,8 +82,9 @@ class NvmeStore {
                                                  std::span<std::byte* const> memory);
   absl::Status FinishTransfer(PendingTransfer& t, std::vector<absl::Status>* page_status = nullptr);
 
-  // Fault injection (tests): called before each journal append; an error fails it.
-  void SetAppendFault(std::function<absl::Status()> fault) { append_fault_ = std::move(fault); }
+  // Fault injection (tests): called before each journal append and each rewrite after
+  // Open; an error fails that write.
+  void SetWriteFault(std::function<absl::Status(JournalWrite)> fault) { write_fault_ = std::move(fault); }
 
   absl::Status JournalAdd(std::span<const NvmeRecord> records);
   absl::Status JournalRemove(std::span<const ObjectKey> keys);
@@ -118,7 +119,7 @@ class NvmeStore {
   absl::Status RewriteJournalLocked(std::span<const NvmeRecord> live)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(journal_mu_);
 
-  std::function<absl::Status()> append_fault_;
+  std::function<absl::Status(JournalWrite)> write_fault_;
   std::string journal_path_;
   absl::Mutex journal_mu_;
   int journal_fd_ ABSL_GUARDED_BY(journal_mu_) = -1;

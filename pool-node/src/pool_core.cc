@@ -95,7 +95,7 @@ absl::StatusOr<std::unique_ptr<PoolCore>> PoolCore::Create(PoolOptions options) 
   if (!o.nvme_dir.empty()) {
     ASSIGN_OR_RETURN(im.nvme_, NvmeStore::Open(o.nvme_dir, o.nvme_bytes, pb, o.io_queue_depth,
                                                {core->arena_, core->arena_bytes()}, &recovered));
-    if (o.journal_append_fault) im.nvme_->SetAppendFault(o.journal_append_fault);
+    if (o.journal_write_fault) im.nvme_->SetWriteFault(o.journal_write_fault);
   }
   {
     absl::MutexLock l(&im.mu_);
@@ -596,7 +596,7 @@ absl::StatusOr<std::string> PoolCore::ReadObject(uint64_t lease_id, const Object
 void PoolCore::RunMaintenance() {
   Impl& im = *impl_;
   uint64_t used, high, low;
-  bool quarantine_due = false;
+  bool may_compact = false, quarantine_due = false;
   {
     absl::MutexLock l(&im.mu_);
     const int64_t now = im.clock_->NowMs();
@@ -604,15 +604,12 @@ void PoolCore::RunMaintenance() {
     used = im.alloc_[kD]->used_pages();
     high = static_cast<uint64_t>(options_.demote_high_watermark * dram_pages_);
     low = static_cast<uint64_t>(options_.demote_low_watermark * dram_pages_);
-    // Pages held back after a failed journal DEL come back with a compaction, tried
-    // again every kQuarantineRetryMs while the journal keeps failing.
-    constexpr int64_t kQuarantineRetryMs = 10'000;
-    if (!im.nvme_quarantine_.empty() && now >= im.next_quarantine_compaction_ms_) {
-      quarantine_due = true;
-      im.next_quarantine_compaction_ms_ = now + kQuarantineRetryMs;
-    }
+    // Pages held back after a failed journal DEL come back with a compaction (retried
+    // every kCompactionRetryMs while the journal keeps failing).
+    may_compact = now >= im.next_compaction_ms_;
+    quarantine_due = may_compact && !im.nvme_quarantine_.empty();
   }
-  if (im.nvme_ != nullptr &&
+  if (im.nvme_ != nullptr && may_compact &&
       (quarantine_due || im.nvme_->JournalWantsCompaction(options_.journal_compact_min_bytes))) {
     im.CompactJournal();
   }

@@ -386,8 +386,9 @@ TEST_F(NvmeTierTest, JournalRecordsThatCannotBeRightAreDroppedAtRestart) {
 TEST_F(NvmeTierTest, FailedJournalWritesLoseNothingAndCorruptNothing) {
   std::atomic<bool> fail{false};
   PoolOptions o;
-  o.journal_append_fault = [&] {
-    return fail ? absl::InternalError("injected journal write error") : absl::OkStatus();
+  o.journal_write_fault = [&](JournalWrite w) {
+    return fail && w == JournalWrite::kAppend ? absl::InternalError("injected journal write error")
+                                              : absl::OkStatus();
   };
   auto core = Make(8, 5, o);
   PutChain(*core, 0, 4, kPage);  // one chain: H(3) is the NVMe tier's first leaf to go
@@ -437,6 +438,122 @@ TEST_F(NvmeTierTest, FailedJournalWritesLoseNothingAndCorruptNothing) {
   ASSERT_EQ(core->Demote(1), 1u);  // into the page the compaction gave back
   EXPECT_EQ(core->Stats().tiers[1].evictions, evictions);
   ExpectChainReadsBack(*core, 2000, 1, kPage);
+}
+
+TEST_F(NvmeTierTest, FailedCompactionKeepsPagesHeldBackAndRetriesLater) {
+  std::atomic<bool> fail_append{false}, fail_rewrite{false};
+  std::atomic<int> rewrites{0};
+  PoolOptions o;
+  o.journal_write_fault = [&](JournalWrite w) {
+    if (w == JournalWrite::kRewrite) {
+      ++rewrites;
+      if (fail_rewrite) return absl::InternalError("injected journal rewrite error");
+    }
+    if (w == JournalWrite::kAppend && fail_append) return absl::InternalError("injected journal write error");
+    return absl::OkStatus();
+  };
+  auto core = Make(8, 5, o);
+  PutChain(*core, 0, 4, kPage);  // H(3) is the NVMe tier's first leaf to go
+  ASSERT_EQ(core->Demote(4), 4u);
+  ASSERT_TRUE(Put(*core, H(1000), std::nullopt, Pattern(1000, kPage)).ok());
+  ASSERT_EQ(core->Demote(1), 1u);  // the NVMe tier is full
+  ASSERT_TRUE(Put(*core, H(1001), std::nullopt, Pattern(1001, kPage)).ok());
+  fail_append = true;  // making room evicts H(3); its DEL fails, so its page is held back
+  EXPECT_EQ(core->Demote(1), 0u);
+  fail_append = false;
+  ASSERT_EQ(core->Stats().nvme_held_back_bytes, kPage);
+
+  // The compaction that would give the page back fails: the old journal stays (it still
+  // names H(3)'s page) and so does the hold, and no other object is evicted meanwhile.
+  fail_rewrite = true;
+  core->RunMaintenance();
+  EXPECT_EQ(rewrites.load(), 1);
+  EXPECT_EQ(core->Stats().nvme_held_back_bytes, kPage);
+  EXPECT_EQ(core->Demote(1), 0u);
+  EXPECT_EQ(core->Stats().tiers[1].objects, 4u);
+  EXPECT_TRUE(core->Inspect({H(1001), StateKind::kAttnKv})->in_dram);
+  // A failing journal is retried every 10 s, not at every maintenance tick.
+  core->RunMaintenance();
+  clock_.AdvanceMs(9'000);
+  core->RunMaintenance();
+  EXPECT_EQ(rewrites.load(), 1);
+  clock_.AdvanceMs(1'001);
+  fail_rewrite = false;
+  core->RunMaintenance();
+  EXPECT_EQ(rewrites.load(), 2);
+  EXPECT_EQ(core->Stats().nvme_held_back_bytes, 0u);
+  ASSERT_EQ(core->Demote(1), 1u);  // into the page the compaction gave back
+
+  // A restart reads the rewritten journal: H(3) is gone, the rest comes back intact.
+  core.reset();
+  core = Make(8, 5, o);
+  EXPECT_FALSE(core->Inspect({H(3), StateKind::kAttnKv}));
+  EXPECT_EQ(core->Stats().tiers[1].objects, 5u);
+  ExpectChainReadsBack(*core, 0, 3, kPage);
+  ExpectChainReadsBack(*core, 1000, 2, kPage);
+}
+
+TEST_F(NvmeTierTest, EvictionDuringACompactionLandsInTheRewrittenJournal) {
+  std::atomic<bool> fail_append{false}, hold_rewrite{false};
+  std::atomic<bool> in_rewrite{false}, release{false};
+  PoolOptions o;
+  o.journal_write_fault = [&](JournalWrite w) {
+    if (w == JournalWrite::kRewrite && hold_rewrite.exchange(false)) {
+      in_rewrite = true;  // the rewrite holds the journal; the test lets it go on
+      while (!release) std::this_thread::yield();
+    }
+    if (w == JournalWrite::kAppend && fail_append) return absl::InternalError("injected journal write error");
+    return absl::OkStatus();
+  };
+  auto core = Make(8, 6, o);
+  PutChain(*core, 0, 4, kPage);
+  ASSERT_EQ(core->Demote(4), 4u);
+  ASSERT_TRUE(Put(*core, H(1000), std::nullopt, Pattern(1000, kPage)).ok());
+  ASSERT_EQ(core->Demote(1), 1u);  // one NVMe page left
+  // A failed ADD makes a rewrite due (the object stays in DRAM, nothing is held back).
+  ASSERT_TRUE(Put(*core, H(1001), std::nullopt, Pattern(1001, kPage)).ok());
+  fail_append = true;
+  EXPECT_EQ(core->Demote(1), 0u);
+  fail_append = false;
+  ASSERT_TRUE(Put(*core, H(1002), std::nullopt, Pattern(1002, kPage)).ok());
+  ASSERT_EQ(core->Stats().nvme_held_back_bytes, 0u);
+
+  // The rewrite starts from a snapshot that still holds the NVMe leaf the next demotion
+  // evicts; that eviction's DEL must land in the rewritten journal, after the snapshot's
+  // ADD, or a restart would bring the evicted object back over reused pages.
+  hold_rewrite = true;
+  std::thread maintenance([&] { core->RunMaintenance(); });
+  while (!in_rewrite) std::this_thread::yield();
+  size_t demoted = 0;
+  std::thread demoter([&] { demoted = core->Demote(2); });
+  // Best effort only: let the demotion reach the journal while the rewrite holds it. The
+  // outcome must be the same whichever comes first.
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  release = true;
+  maintenance.join();
+  demoter.join();
+  EXPECT_EQ(demoted, 2u);  // H(1001) and H(1002), evicting one NVMe leaf
+  EXPECT_EQ(core->Stats().nvme_held_back_bytes, 0u);
+  std::vector<uint64_t> gone;
+  for (uint64_t i : {0, 1, 2, 3, 1000}) {
+    if (!core->Inspect({H(i), StateKind::kAttnKv})) gone.push_back(i);
+  }
+  ASSERT_EQ(gone.size(), 1u);
+
+  core.reset();
+  core = Make(8, 6, o);
+  EXPECT_EQ(core->Stats().tiers[1].objects, 6u);
+  for (uint64_t i : gone) EXPECT_FALSE(core->Inspect({H(i), StateKind::kAttnKv})) << i;
+  ExpectChainReadsBack(*core, 1001, 2, kPage);
+  for (uint64_t i : {0, 1, 2, 3, 1000}) {
+    if (std::find(gone.begin(), gone.end(), i) != gone.end()) continue;
+    auto a = core->Lookup({.hashes = {H(i)}, .allow_gaps = true});
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_EQ(a->objects.size(), 1u) << i;
+    auto b = core->ReadObject(a->lease_id, {H(i), StateKind::kAttnKv});
+    ASSERT_TRUE(b.ok()) << i;
+    EXPECT_TRUE(*b == Pattern(i, kPage)) << i;
+  }
 }
 
 TEST_F(NvmeTierTest, ReadErrorIsAMissThatKeepsTheNvmeCopy) {

@@ -98,9 +98,10 @@ struct PoolOptions {
   bool background = true;
   int64_t maintenance_interval_ms = 50;
   Clock* clock = nullptr;       // default: SystemClock()
-  // Fault injection (tests): called before each NVMe journal append; an error fails
-  // that append as a failed write would. Empty: none.
-  std::function<absl::Status()> journal_append_fault = {};
+  // Fault injection (tests): called before each NVMe journal append and each journal
+  // rewrite (compaction) while the node runs; an error fails that write as a failed
+  // write(2) would. Empty: none.
+  std::function<absl::Status(JournalWrite)> journal_write_fault = {};
   // May be null. Must outlive the core's last call to it: the end of the last API call
   // and StopBackground() (or the destructor), whichever comes later.
   EventSink* events = nullptr;
