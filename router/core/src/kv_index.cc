@@ -352,22 +352,8 @@ void KvIndex::ApplyEvent(SourceSlot slot, const KvEvent& event) {
 }
 
 ApplyResult KvIndex::ApplyBatch(SourceSlot slot, const EventBatch& batch) {
+  if (batch.full_dump) return ApplyDumpPart(slot, batch, 0, batch.events.size());
   ApplyResult r;
-  if (batch.full_dump) {
-    ClearSource(slot);
-    for (const KvEvent& e : batch.events) ApplyEvent(slot, e);
-    SourceState& s = Source(slot);
-    s.present = true;
-    s.stale = false;
-    if (batch.dump_sequence != 0) {
-      s.last_sequence = batch.dump_sequence;
-    } else if (!batch.events.empty()) {
-      s.last_sequence = batch.events.back().sequence;
-    }
-    r.applied = batch.events.size();
-    r.last_sequence = s.last_sequence;
-    return r;
-  }
   for (size_t i = 0; i < batch.events.size(); ++i) {
     const KvEvent& e = batch.events[i];
     SourceState& s = Source(slot);
@@ -391,6 +377,28 @@ ApplyResult KvIndex::ApplyBatch(SourceSlot slot, const EventBatch& batch) {
   }
   r.full_dump_requested = stale(slot);
   r.last_sequence = last_sequence(slot);
+  return r;
+}
+
+ApplyResult KvIndex::ApplyDumpPart(SourceSlot slot, const EventBatch& batch, size_t begin, size_t end) {
+  if (begin == 0) {
+    ClearSource(slot);
+    SourceState& s = Source(slot);
+    s.present = true;
+    s.stale = false;
+  }
+  for (size_t i = begin; i < end; ++i) ApplyEvent(slot, batch.events[i]);
+  SourceState& s = Source(slot);  // after the events: Source() may grow sources_
+  if (end == batch.events.size()) {
+    if (batch.dump_sequence != 0) {
+      s.last_sequence = batch.dump_sequence;
+    } else if (!batch.events.empty()) {
+      s.last_sequence = batch.events.back().sequence;
+    }
+  }
+  ApplyResult r;
+  r.applied = end - begin;
+  r.last_sequence = s.last_sequence;
   return r;
 }
 

@@ -21,6 +21,27 @@ bool ValidSourceId(absl::string_view id) {
 
 constexpr size_t kMaxEventHashes = 4096;
 
+absl::Status ValidateEvent(absl::string_view source_id, SourceKind kind, const KvEvent& e, size_t i) {
+  if (e.type == KvEvent::Type::kCleared) return absl::OkStatus();
+  const char* what = e.type == KvEvent::Type::kStored ? "stored" : "removed";
+  if (e.hashes.empty() || e.hashes.size() > kMaxEventHashes) {
+    return absl::InvalidArgumentError(absl::StrCat("events[", i, "].", what, ".block_hashes has ",
+                                                   e.hashes.size(), " entries; send 1..", kMaxEventHashes));
+  }
+  if (e.type == KvEvent::Type::kStored && !(e.parent == BlockHash{}) &&
+      std::find(e.hashes.begin(), e.hashes.end(), e.parent) != e.hashes.end()) {
+    // A chain that contains its own parent is a cycle: its entries would never be leaves,
+    // so pruning could not take them.
+    return absl::InvalidArgumentError(absl::StrCat("events[", i, "].stored.parent_hash is one of its own "
+                                                   "block_hashes; a chain cannot contain its parent"));
+  }
+  if (kind == SourceKind::kPoolNode && e.tier == Tier::kGpu) {
+    return absl::InvalidArgumentError(absl::StrCat("events[", i, "].", what, ".tier=GPU from pool node \"",
+                                                   source_id, "\"; pool nodes hold TIER_DRAM or TIER_NVME"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<HybridMode> ParseHybridMode(absl::string_view name) {
@@ -146,6 +167,7 @@ absl::Status RouterCore::Register(const SourceInfo& info, absl::Time now) {
   load_.Reset(slot, now);
   Source& s = sources_[slot];
   s.live = true;
+  s.registration = ++registrations_;
   s.info = info;
   s.model = model;
   by_id_[info.id] = slot;
@@ -178,38 +200,27 @@ void RouterCore::DropSource(SourceSlot slot) {
   free_slots_.push_back(slot);
 }
 
-absl::Status RouterCore::ValidateEvent(const Source& s, const KvEvent& e, size_t i) const {
-  if (e.type == KvEvent::Type::kCleared) return absl::OkStatus();
-  const char* what = e.type == KvEvent::Type::kStored ? "stored" : "removed";
-  if (e.hashes.empty() || e.hashes.size() > kMaxEventHashes) {
-    return absl::InvalidArgumentError(absl::StrCat("events[", i, "].", what, ".block_hashes has ",
-                                                   e.hashes.size(), " entries; send 1..", kMaxEventHashes));
-  }
-  if (e.type == KvEvent::Type::kStored && !(e.parent == BlockHash{}) &&
-      std::find(e.hashes.begin(), e.hashes.end(), e.parent) != e.hashes.end()) {
-    // A chain that contains its own parent is a cycle: its entries would never be leaves,
-    // so pruning could not take them.
-    return absl::InvalidArgumentError(absl::StrCat("events[", i, "].stored.parent_hash is one of its own "
-                                                   "block_hashes; a chain cannot contain its parent"));
-  }
-  if (s.info.kind == SourceKind::kPoolNode && e.tier == Tier::kGpu) {
-    return absl::InvalidArgumentError(absl::StrCat("events[", i, "].", what,
-                                                   ".tier=GPU from pool node \"", s.info.id,
-                                                   "\"; pool nodes hold TIER_DRAM or TIER_NVME"));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status RouterCore::ValidateBatch(absl::string_view source_id, const EventBatch& batch) const {
+absl::StatusOr<RouterCore::Registration> RouterCore::FindRegistration(absl::string_view source_id) const {
   auto it = by_id_.find(source_id);
   if (it == by_id_.end()) {
     return absl::NotFoundError(absl::StrCat("source_id=\"", source_id,
                                             "\" is not registered; call Register first"));
   }
-  for (size_t i = 0; i < batch.events.size(); ++i) {
-    RETURN_IF_ERROR(ValidateEvent(sources_[it->second], batch.events[i], i));
+  const Source& s = sources_[it->second];
+  return Registration{s.registration, s.info.kind};
+}
+
+absl::Status RouterCore::ValidateEvents(absl::string_view source_id, SourceKind kind,
+                                        std::span<const KvEvent> events, size_t first) {
+  for (size_t i = 0; i < events.size(); ++i) {
+    RETURN_IF_ERROR(ValidateEvent(source_id, kind, events[i], first + i));
   }
   return absl::OkStatus();
+}
+
+absl::Status RouterCore::ValidateBatch(absl::string_view source_id, const EventBatch& batch) const {
+  ASSIGN_OR_RETURN(const Registration reg, FindRegistration(source_id));
+  return ValidateEvents(source_id, reg.kind, batch.events);
 }
 
 absl::StatusOr<EventsResult> RouterCore::ApplyEvents(absl::string_view source_id, const EventBatch& batch,
@@ -221,6 +232,22 @@ absl::StatusOr<EventsResult> RouterCore::ApplyEvents(absl::string_view source_id
   events_applied_ += r.apply.applied;
   if (r.apply.gap) ++full_dumps_requested_;
   r.full_dump_requested = r.apply.full_dump_requested;
+  return r;
+}
+
+absl::StatusOr<EventsResult> RouterCore::ApplyDumpPart(absl::string_view source_id, const EventBatch& batch,
+                                                       size_t begin, size_t end, absl::Time /*now*/) {
+  if (!batch.full_dump || begin > end || end > batch.events.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("ApplyDumpPart: events [", begin, ", ", end, ") of a ",
+                                                   batch.full_dump ? "" : "non-", "dump batch of ",
+                                                   batch.events.size(), " events; pass a part of a full dump"));
+  }
+  ASSIGN_OR_RETURN(const Registration reg, FindRegistration(source_id));
+  RETURN_IF_ERROR(ValidateEvents(source_id, reg.kind,
+                                 std::span<const KvEvent>(batch.events).subspan(begin, end - begin), begin));
+  EventsResult r;
+  r.apply = index_.ApplyDumpPart(by_id_.find(source_id)->second, batch, begin, end);
+  events_applied_ += r.apply.applied;
   return r;
 }
 

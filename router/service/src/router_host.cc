@@ -139,11 +139,17 @@ void RouterHost::CloseStream() {
   --streams_;
 }
 
-void RouterHost::Enqueue(std::string source_id, EventBatch batch, Done done) {
+uint64_t RouterHost::RegistrationOf(absl::string_view source_id) {
+  absl::MutexLock l(&core_mu_);
+  const auto reg = core_->FindRegistration(source_id);
+  return reg.ok() ? reg->id : 0;
+}
+
+void RouterHost::Enqueue(std::string source_id, uint64_t registration, EventBatch batch, Done done) {
   {
     absl::MutexLock l(&queue_mu_);
     if (!stop_) {
-      queue_.push_back(Work{std::move(source_id), std::move(batch), std::move(done), clock_()});
+      queue_.push_back(Work{std::move(source_id), registration, std::move(batch), std::move(done), clock_()});
       if (queued_batches_ != nullptr) queued_batches_->Set(static_cast<double>(queue_.size()));
       return;
     }
@@ -151,32 +157,69 @@ void RouterHost::Enqueue(std::string source_id, EventBatch batch, Done done) {
   done(absl::UnavailableError("router is shutting down; reconnect and resend"));
 }
 
+absl::StatusOr<RouterCore::Registration> RouterHost::CheckRegistration(const Work& w) {
+  ASSIGN_OR_RETURN(const RouterCore::Registration reg, core_->FindRegistration(w.source_id));
+  if (w.registration == 0) {
+    return absl::NotFoundError(absl::StrCat("source_id=\"", w.source_id, "\" was not registered when this stream ",
+                                            "began; call Register first, then open the stream"));
+  }
+  if (reg.id != w.registration) {
+    return absl::AbortedError(absl::StrCat("source_id=\"", w.source_id, "\" registered again after this stream ",
+                                           "began; its events are dropped: publish on a stream opened after the ",
+                                           "latest Register, starting with a full dump"));
+  }
+  return reg;
+}
+
 absl::StatusOr<EventsResult> RouterHost::Apply(Work& w) {
   const EventBatch& b = w.batch;
-  if (b.full_dump || b.events.size() <= options_.apply_slice_events) {
+  const size_t n = b.events.size();
+  const size_t slice = options_.apply_slice_events;
+  // The clock is read before each lock hold, never under core_mu_: it may be any code.
+  if (!b.full_dump && n <= slice) {
+    const absl::Time now = clock_();
     absl::MutexLock l(&core_mu_);
-    return core_->ApplyEvents(w.source_id, b, clock_());
+    RETURN_IF_ERROR(CheckRegistration(w).status());
+    return core_->ApplyEvents(w.source_id, b, now);
   }
-  // Validate everything first, so a bad event late in the batch applies nothing.
+  // Validate everything first, so a bad event late in the batch applies nothing. Off the
+  // lock: the checks need only the source's kind, and it cannot change under this
+  // registration, which every slice checks.
+  SourceKind kind;
   {
     absl::MutexLock l(&core_mu_);
-    RETURN_IF_ERROR(core_->ValidateBatch(w.source_id, b));
+    ASSIGN_OR_RETURN(const RouterCore::Registration reg, CheckRegistration(w));
+    kind = reg.kind;
   }
+  RETURN_IF_ERROR(RouterCore::ValidateEvents(w.source_id, kind, b.events));
+  // A full dump applies in parts too (its first part drops the source's entries, its
+  // last sets the sequence). The batch's slices run back to back on this thread, so no
+  // other batch of the source lands between them; Route sees the dump applied so far.
   EventsResult total;
-  EventBatch slice;
-  for (size_t i = 0; i < b.events.size(); i += options_.apply_slice_events) {
-    const size_t end = std::min(b.events.size(), i + options_.apply_slice_events);
-    slice.events.assign(b.events.begin() + static_cast<ptrdiff_t>(i), b.events.begin() + static_cast<ptrdiff_t>(end));
+  EventBatch part;  // a slice of a non-dump batch
+  size_t i = 0;
+  do {
+    const size_t end = std::min(n, i + slice);
+    const absl::Time now = clock_();
     absl::MutexLock l(&core_mu_);
-    ASSIGN_OR_RETURN(EventsResult r, core_->ApplyEvents(w.source_id, slice, clock_()));
-    total.apply.applied += r.apply.applied;
-    total.apply.duplicates += r.apply.duplicates;
-    total.apply.ignored += r.apply.ignored;
-    total.apply.gap |= r.apply.gap;
-    total.apply.last_sequence = r.apply.last_sequence;
-    total.full_dump_requested = r.full_dump_requested;
-    total.apply.full_dump_requested = r.full_dump_requested;
-  }
+    RETURN_IF_ERROR(CheckRegistration(w).status());
+    absl::StatusOr<EventsResult> r;
+    if (b.full_dump) {
+      r = core_->ApplyDumpPart(w.source_id, b, i, end, now);
+    } else {
+      part.events.assign(b.events.begin() + static_cast<ptrdiff_t>(i), b.events.begin() + static_cast<ptrdiff_t>(end));
+      r = core_->ApplyEvents(w.source_id, part, now);
+    }
+    RETURN_IF_ERROR(r.status());
+    total.apply.applied += r->apply.applied;
+    total.apply.duplicates += r->apply.duplicates;
+    total.apply.ignored += r->apply.ignored;
+    total.apply.gap |= r->apply.gap;
+    total.apply.last_sequence = r->apply.last_sequence;
+    total.full_dump_requested = r->full_dump_requested;
+    total.apply.full_dump_requested = r->full_dump_requested;
+    i = end;
+  } while (i < n);
   return total;
 }
 

@@ -27,7 +27,8 @@ constexpr int kMinClientPingIntervalMs = 5'000;
 
 // One PublishEvents stream. At any moment either a read or an apply is pending, never
 // both, so the reactor needs no lock: read -> convert -> Enqueue -> (applier) OnApplied
-// -> read ... -> client half-closes -> Finish with the totals.
+// -> read ... -> client half-closes -> Finish with the totals. A stream whose source
+// registered again after it began finishes with ABORTED at its next batch.
 class EventsReactor : public grpc::ServerReadReactor<v1::EventBatch> {
  public:
   EventsReactor(RouterHost* host, v1::PublishEventsResponse* response) : host_(host), response_(response) {
@@ -56,8 +57,14 @@ class EventsReactor : public grpc::ServerReadReactor<v1::EventBatch> {
           "source_id=\"", source, "\" but this stream started as \"", source_, "\"; use one stream per source"))));
       return;
     }
-    source_ = source;
-    host_->Enqueue(std::move(source), std::move(*b),
+    if (source_.empty()) {
+      // The stream belongs to the registration its source has now; once the source
+      // registers again, its batches are refused (ABORTED). Taken before Enqueue: the next
+      // OnReadDone may run on another thread as soon as this batch is applied.
+      registration_ = host_->RegistrationOf(source);
+      source_ = source;
+    }
+    host_->Enqueue(std::move(source), registration_, std::move(*b),
                    [this](absl::StatusOr<EventsResult> r) { OnApplied(std::move(r)); });
   }
 
@@ -82,6 +89,7 @@ class EventsReactor : public grpc::ServerReadReactor<v1::EventBatch> {
   v1::PublishEventsResponse* const response_;
   v1::EventBatch batch_;
   std::string source_;
+  uint64_t registration_ = 0;  // RouterHost::RegistrationOf(source_) at the first batch
   bool opened_ = false;
 };
 

@@ -381,6 +381,50 @@ TEST_F(RouterCoreTest, GapInEventsRequestsDumpThroughHeartbeat) {
   EXPECT_EQ(Route(h).gpu_hit_blocks, 3u);
 }
 
+// RouterHost applies a large dump in parts, releasing its lock in between: the first part
+// ends the wait for a dump (no heartbeat asks for another), the last sets the sequence.
+TEST_F(RouterCoreTest, DumpInPartsEndsTheWaitFirstAndSetsTheSequenceLast) {
+  MakeDefault(PolicyKind::kCacheAware);
+  Worker("w0");
+  PoolNode("p0");
+  auto h = Hash(Tokens(16 * 6, 12));
+  EventBatch gap;
+  gap.events.push_back(KvEvent::Stored(2, {}, {h[0]}));
+  ASSERT_TRUE(core_->ApplyEvents("w0", gap, kT0).ok());
+  ASSERT_TRUE(core_->Heartbeat("w0", {}, {}, kT0).full_dump_requested);
+  EventBatch dump;
+  dump.full_dump = true;
+  for (size_t i = 0; i < h.size(); ++i) {
+    dump.events.push_back(KvEvent::Stored(i + 1, i ? h[i - 1] : BlockHash{}, {h[i]}));
+  }
+  const SourceSlot w0 = static_cast<SourceSlot>(core_->SlotOf("w0"));
+
+  auto first = core_->ApplyDumpPart("w0", dump, 0, 2, kT0);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->apply.applied, 2u);
+  EXPECT_FALSE(first->full_dump_requested);
+  EXPECT_FALSE(core_->Heartbeat("w0", {}, {}, kT0).full_dump_requested);
+  EXPECT_EQ(Route(h).gpu_hit_blocks, 2u);
+  EXPECT_EQ(core_->index().last_sequence(w0), 0u);
+
+  EXPECT_EQ(core_->ApplyDumpPart("w0", dump, 4, 2, kT0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(core_->ApplyDumpPart("w0", gap, 0, 1, kT0).status().code(), absl::StatusCode::kInvalidArgument);
+  auto rest = core_->ApplyDumpPart("w0", dump, 2, h.size(), kT0);
+  ASSERT_TRUE(rest.ok()) << rest.status();
+  EXPECT_EQ(rest->apply.applied, 4u);
+  EXPECT_EQ(rest->apply.last_sequence, 6u);
+  EXPECT_EQ(Route(h).gpu_hit_blocks, 6u);
+  EXPECT_EQ(core_->Stats(kT0).events_applied, 6u);  // the gap batch applied nothing
+
+  // A part validates its own events (GPU tier from a pool node), naming them in the batch.
+  EventBatch pool_dump = dump;
+  for (KvEvent& e : pool_dump.events) e.tier = Tier::kDram;
+  pool_dump.events[3].tier = Tier::kGpu;
+  auto bad = core_->ApplyDumpPart("p0", pool_dump, 2, 4, kT0);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("events[3].stored.tier=GPU"), absl::string_view::npos) << bad.status();
+}
+
 TEST_F(RouterCoreTest, BadInputIsRejectedNamingTheField) {
   MakeDefault(PolicyKind::kCacheAware, {"llama-3.3-70b", "deepseek-v3"});
   auto h = Hash(Tokens(32, 10));
@@ -438,9 +482,15 @@ TEST_F(RouterCoreTest, ReRegisterResetsEntriesAndSequence) {
   Worker("w0");
   auto h = Hash(Tokens(32, 11));
   Store("w0", h, 2);
+  const auto before = core_->FindRegistration("w0");
   Worker("w0");
   EXPECT_EQ(core_->index().entries(), 0u);
   EXPECT_EQ(core_->index().last_sequence(static_cast<SourceSlot>(core_->SlotOf("w0"))), 0u);
+  // Same slot, new registration: work queued for the old one can tell.
+  const auto after = core_->FindRegistration("w0");
+  ASSERT_TRUE(before.ok() && after.ok());
+  EXPECT_NE(after->id, before->id);
+  EXPECT_EQ(core_->FindRegistration("w1").status().code(), absl::StatusCode::kNotFound);
 }
 
 TEST(RouterCoreCreateTest, RejectsUnknownModelsAndBadOptions) {

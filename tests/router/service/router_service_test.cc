@@ -163,6 +163,38 @@ TEST_F(RouterServiceTest, GapRequestsDumpAndDumpRestores) {
   EXPECT_EQ(r->gpu_hit_blocks(), 4u);
 }
 
+// A source that registers again starts a new incarnation; the stream it had open before
+// belongs to the old one and ends with ABORTED at its next batch instead of writing into
+// the new view (RouterHostTest covers the queued cases).
+TEST_F(RouterServiceTest, StreamOfAnEarlierRegistrationEndsWithAborted) {
+  RegisterWorker("w0");
+  const auto hashes = hasher_->HashPrefix(Tokens(16 * 4, 12));
+  auto stub = v1::Router::NewStub(grpc::CreateChannel(addr_, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  v1::PublishEventsResponse resp;
+  auto old_stream = stub->PublishEvents(&ctx, &resp);
+  ASSERT_TRUE(old_stream->Write(Stored("w0", 1, hashes, 1)));
+  // The stream is bound to the registration by its first batch: wait until it applied.
+  bool applied = false;
+  for (int i = 0; i < 2000 && !applied; ++i) {
+    auto st = client_->GetStats();
+    ASSERT_TRUE(st.ok());
+    applied = st->instances_size() == 1 && st->instances(0).last_sequence() == 1;
+    if (!applied) absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_TRUE(applied) << "the old stream's first batch never applied";
+  RegisterWorker("w0");
+  ASSERT_TRUE(client_->PublishEvents({Stored("w0", 1, hashes, 1, /*dump=*/true)}).ok());
+  old_stream->Write(Stored("w0", 2, hashes, 3));  // seq 2 follows the new dump's 1
+  old_stream->WritesDone();
+  const grpc::Status s = old_stream->Finish();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED) << s.error_message();
+  EXPECT_NE(s.error_message().find("registered again"), std::string::npos) << s.error_message();
+  auto r = client_->Route(TokensRequest(Tokens(16 * 4, 12)));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->gpu_hit_blocks(), 1u) << "the old stream's blocks reached the new registration";
+}
+
 TEST_F(RouterServiceTest, BadInputGetsClearErrorsAndOthersAreStillServed) {
   RegisterWorker("w0");
   auto expect = [](const absl::Status& s, absl::StatusCode code, absl::string_view needle) {

@@ -33,6 +33,7 @@ enum class JournalWrite : uint8_t {
   kAppend,   // ADD / DEL records appended as objects come and go
   kRewrite,  // the compacted journal written to a new file and renamed over the old
 };
+
 inline constexpr int kNumTiers = 2;
 inline constexpr int kNumKinds = 2;
 inline int KindIndex(StateKind k) { return static_cast<int>(k); }

@@ -28,8 +28,8 @@
 // Cost: FindMatches is one hash probe per block plus one AND per 64 sources per block
 // (a 64-bit mask inline in the entry for slots < 64); Store and Remove are one probe per
 // block, no allocation for slots < 64 and one DRAM/NVMe holder per block. Pruning
-// recounts children then (O(entries)); RemoveSource, cleared events, full dumps and Dump
-// scan the whole index (O(entries)).
+// recounts children then (O(entries)); RemoveSource, cleared events, full dumps (their
+// first part) and Dump scan the whole index (O(entries)).
 //
 // Thread safety: none. A KvIndex is owned by one thread or guarded by its owner's mutex
 // (RouterCore's owner holds one). FindMatches mutates (it refreshes entry ages).
@@ -104,6 +104,14 @@ class KvIndex {
 
   // Applies one batch of `slot`'s events (invariants 1-3). REQUIRES: ResetSource(slot) ran.
   ApplyResult ApplyBatch(SourceSlot slot, const EventBatch& batch);
+  // Applies events [begin, end) of the full dump `batch`, so that an owner can release its
+  // lock between parts of a large dump (RouterHost does). The part that starts at 0 drops
+  // the source's entries and clears stale (the dump is landing: heartbeats stop asking for
+  // one); the part that ends at the last event sets last_sequence. Between parts the
+  // source holds the events applied so far: for a dump of stored events, a subset of what
+  // it will hold. ApplyBatch of a dump is the one part [0, size).
+  // REQUIRES: batch.full_dump; parts in order, begin <= end <= batch.events.size().
+  ApplyResult ApplyDumpPart(SourceSlot slot, const EventBatch& batch, size_t begin, size_t end);
   // Applies one event ignoring sequence numbers (the indexer contract's apply_event).
   void ApplyEvent(SourceSlot slot, const KvEvent& event);
 

@@ -178,6 +178,15 @@ class RouterCore {
 
   // Adds a source, or restarts it (entries, sequence and decisions reset).
   absl::Status Register(const SourceInfo& info, absl::Time now);
+  // One registration of a source. Register numbers each one, never reusing a number (slots
+  // are reused), so work queued for a source can tell whether the source has registered
+  // again since: events of the previous incarnation must not apply to the new one.
+  struct Registration {
+    uint64_t id = 0;  // > 0
+    SourceKind kind = SourceKind::kWorker;
+  };
+  // The current registration of `source_id`; NOT_FOUND when it is not registered.
+  absl::StatusOr<Registration> FindRegistration(absl::string_view source_id) const;
   // Drops a source with its entries. NOT_FOUND when unknown.
   absl::Status Deregister(absl::string_view id);
   // Validates the whole batch (nothing applies when one event is bad), then applies it.
@@ -187,6 +196,18 @@ class RouterCore {
   // The checks ApplyEvents makes before applying anything (callers that apply a large
   // batch in slices validate it whole first).
   absl::Status ValidateBatch(absl::string_view source_id, const EventBatch& batch) const;
+  // ValidateBatch's checks of each event, for a source `source_id` of `kind`. Reads no
+  // core state, so a caller may run it without the core's lock (RouterHost does, on a
+  // large batch, with the kind from FindRegistration). Errors name events[first + i].
+  static absl::Status ValidateEvents(absl::string_view source_id, SourceKind kind,
+                                     std::span<const KvEvent> events, size_t first = 0);
+  // Applies events [begin, end) of the full dump `batch` (KvIndex::ApplyDumpPart), after
+  // validating them: RouterHost applies a large dump in parts and releases its lock in
+  // between, so Route does not wait for the whole dump. ApplyEvents of a dump is the one
+  // part [0, size). REQUIRES: batch.full_dump; parts in order; the whole batch validated
+  // before the first part (else a bad event in a later part leaves the dump half applied).
+  absl::StatusOr<EventsResult> ApplyDumpPart(absl::string_view source_id, const EventBatch& batch,
+                                             size_t begin, size_t end, absl::Time now);
   HeartbeatResult Heartbeat(absl::string_view source_id, const InstanceLoad& load,
                             std::span<const uint64_t> completed_decisions, absl::Time now);
   // Releases one decision's optimistic load (the simulator's completion path).
@@ -205,6 +226,7 @@ class RouterCore {
  private:
   struct Source {
     bool live = false;
+    uint64_t registration = 0;  // Registration::id; 0 for a free slot
     SourceInfo info;
     int model = -1;  // index into models_, -1 for pool nodes
     // Approximate mode: predicted blocks -> expiry, and expiries in insertion order.
@@ -218,7 +240,6 @@ class RouterCore {
   void ExpirePredictions(Source& s, SourceSlot slot, absl::Time now);
   // Fills cands_ (one per live worker of `model`) from one index walk.
   void ScoreCandidates(const Model& model, std::span<const BlockHash> hashes, uint64_t prompt_tokens);
-  absl::Status ValidateEvent(const Source& s, const KvEvent& e, size_t i) const;
 
   RouterOptions options_;
   std::vector<Model> models_;
@@ -233,6 +254,7 @@ class RouterCore {
   uint64_t events_applied_ = 0;
   uint64_t full_dumps_requested_ = 0;
   uint64_t dropped_sources_ = 0;
+  uint64_t registrations_ = 0;  // the last Registration::id given out
   // Scratch reused across Route calls (no allocation in the steady state).
   MatchResult match_;
   std::vector<Candidate> cands_;

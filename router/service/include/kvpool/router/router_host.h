@@ -6,12 +6,20 @@
 // callback once it is applied; the stream reads its next batch only then, so each stream
 // has at most one batch queued (gRPC flow control pushes back on the sender) and at most
 // max_streams streams exist. One applier thread drains the queue in arrival order and
-// applies non-dump batches in slices of apply_slice_events events, releasing the core
-// lock between slices: a flood of events from one source delays Route by at most one
-// slice.
+// applies batches, full dumps included, in slices of apply_slice_events events,
+// releasing the core lock between slices: a flood of events or a dump of a million
+// blocks delays Route by at most one slice. A large batch is validated whole first,
+// without the lock, so a bad event late in it applies nothing.
 //
 //   stream ─Enqueue─► [queue ≤ max_streams batches] ─applier─► core (slices) ─► done(result)
 //   Route ───────────────────────────────────────────────────► core (one lock hold)
+//
+// A stream belongs to one registration of its source: the one current when its first
+// batch arrived (RegistrationOf). A source that registers again is a new incarnation with
+// a new stream; what its old stream still delivers, or had queued, or a batch whose
+// slices are still applying, describes the old incarnation, so every slice checks the
+// registration under the core lock and such work fails with ABORTED instead of landing
+// in the new one's view (where its sequence numbers could even look valid).
 //
 // Thread safety: all public methods are thread-safe and never block for longer than one
 // core operation (one Route, or one slice of events).
@@ -59,12 +67,20 @@ class RouterHost {
   // Stream bookkeeping: RESOURCE_EXHAUSTED beyond max_streams.
   absl::Status OpenStream();
   void CloseStream();
-  // Queues one batch; `done` runs on the applier thread once it is applied (or failed).
-  void Enqueue(std::string source_id, EventBatch batch, Done done);
+  // The current registration of `source_id` (RouterCore::Registration::id), 0 when it is
+  // not registered. A stream takes it with its first batch and passes it to Enqueue with
+  // every batch.
+  uint64_t RegistrationOf(absl::string_view source_id);
+  // Queues one batch of `source_id`'s registration `registration`; `done` runs on the
+  // applier thread once it is applied, or failed: NOT_FOUND when the source is not
+  // registered (or was not when the stream began), ABORTED once it has registered again
+  // (the stream is stale: send on a stream opened after the latest Register, dump first).
+  void Enqueue(std::string source_id, uint64_t registration, EventBatch batch, Done done);
 
  private:
   struct Work {
     std::string source_id;
+    uint64_t registration;  // 0: the source was not registered when its stream began
     EventBatch batch;
     Done done;
     absl::Time enqueued;
@@ -72,6 +88,9 @@ class RouterHost {
   RouterHost(RouterHostOptions options, MetricsRegistry* metrics, Clock clock);
   void ApplierLoop();
   absl::StatusOr<EventsResult> Apply(Work& w);
+  // The source's registration, if it is still the one `w` was queued under.
+  absl::StatusOr<RouterCore::Registration> CheckRegistration(const Work& w)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_mu_);
   void RefreshGauges();
 
   const RouterHostOptions options_;
