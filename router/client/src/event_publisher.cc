@@ -81,16 +81,17 @@ bool EventPublisher::OpenStream() {
   return true;
 }
 
-void EventPublisher::CloseStream() {
-  if (!stream_) return;
-  stream_ctx_->TryCancel();
-  stream_->Finish();
+grpc::Status EventPublisher::CloseStream(bool cancel) {
+  if (!stream_) return grpc::Status::OK;
+  if (cancel) stream_ctx_->TryCancel();
+  grpc::Status why = stream_->Finish();
   stream_.reset();
   {
     absl::MutexLock l(&mu_);
     live_ctx_ = nullptr;
   }
   stream_ctx_.reset();
+  return why;
 }
 
 // Registers, opens a fresh stream and sends a full dump. False when the router is not
@@ -113,6 +114,7 @@ bool EventPublisher::RegisterAndDump() {
       return false;
     }
     next_sequence_ = resp.next_sequence() ? resp.next_sequence() : 1;
+    registration_id_ = resp.registration();
     if (resp.heartbeat_interval_ms() > 0) heartbeat_ms_ = resp.heartbeat_interval_ms();
     absl::MutexLock l(&mu_);
     ++registrations_;
@@ -139,6 +141,7 @@ bool EventPublisher::SendDump() {
   do {
     v1::EventBatch batch;
     batch.set_source_id(opts_.registration.source_id());
+    batch.set_registration(registration_id_);
     if (first) {
       batch.set_full_dump(true);
       // An empty dump on a stream that has sent events must say where the sequence
@@ -244,13 +247,27 @@ void EventPublisher::Loop() {
     if (!batch.empty()) {
       v1::EventBatch b;
       b.set_source_id(opts_.registration.source_id());
+      b.set_registration(registration_id_);
       for (v1::KvEvent& e : batch) {
         e.set_sequence(next_sequence_++);
         *b.add_events() = std::move(e);
       }
       if (!stream_->Write(b)) {
-        spdlog::warn("router {}: PublishEvents stream broke; reconnecting with a full dump", opts_.router_address);
+        // The router ended the stream: its status says why (not cancelled first).
+        const grpc::Status why = CloseStream(/*cancel=*/false);
+        spdlog::warn("router {}: PublishEvents stream broke ({}); reconnecting with a full dump",
+                     opts_.router_address, why.error_message());
         connected = false;
+        if (why.error_code() == grpc::StatusCode::ABORTED) {
+          // Registered again since this stream began: by this publisher, or by another
+          // process with the same source id. Not at once: two such processes would
+          // otherwise take the registration from each other at every write.
+          spdlog::warn("router {}: {} was registered again elsewhere; is another process using this id?",
+                       opts_.router_address, opts_.registration.source_id());
+          absl::MutexLock l(&mu_);
+          mu_.AwaitWithTimeout(absl::Condition(&stop_), opts_.retry_interval);
+          if (stop_) break;
+        }
         continue;
       }
       absl::MutexLock l(&mu_);

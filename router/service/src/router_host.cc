@@ -107,9 +107,12 @@ absl::StatusOr<RouteDecision> RouterHost::Route(const RouteInput& in) {
   return d;
 }
 
-absl::Status RouterHost::Register(const SourceInfo& info) {
+absl::StatusOr<uint64_t> RouterHost::Register(const SourceInfo& info) {
+  const absl::Time now = clock_();
   absl::MutexLock l(&core_mu_);
-  return core_->Register(info, clock_());
+  RETURN_IF_ERROR(core_->Register(info, now));
+  ASSIGN_OR_RETURN(const RouterCore::Registration reg, core_->FindRegistration(info.id));
+  return reg.id;
 }
 
 HeartbeatResult RouterHost::Heartbeat(absl::string_view source_id, const InstanceLoad& load,

@@ -57,11 +57,18 @@ class EventsReactor : public grpc::ServerReadReactor<v1::EventBatch> {
           "source_id=\"", source, "\" but this stream started as \"", source_, "\"; use one stream per source"))));
       return;
     }
+    if (!source_.empty() && batch_.registration() != 0 && batch_.registration() != registration_) {
+      Finish(ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+          "registration=", batch_.registration(), " but this stream started with registration=", registration_,
+          "; open a new stream after each Register"))));
+      return;
+    }
     if (source_.empty()) {
-      // The stream belongs to the registration its source has now; once the source
-      // registers again, its batches are refused (ABORTED). Taken before Enqueue: the next
-      // OnReadDone may run on another thread as soon as this batch is applied.
-      registration_ = host_->RegistrationOf(source);
+      // The stream belongs to the registration its first batch names (the source's
+      // RegisterResponse.registration), or else to the one its source has now; once the
+      // source registers again, its batches are refused (ABORTED). Taken before Enqueue:
+      // the next OnReadDone may run on another thread as soon as this batch is applied.
+      registration_ = batch_.registration() != 0 ? batch_.registration() : host_->RegistrationOf(source);
       source_ = source;
     }
     host_->Enqueue(std::move(source), registration_, std::move(*b),
@@ -135,7 +142,8 @@ class RouterService final : public v1::Router::CallbackService {
 
   absl::Status DoRegister(const v1::RegisterRequest& req, v1::RegisterResponse* resp) {
     ASSIGN_OR_RETURN(SourceInfo info, SourceFromProto(req));
-    RETURN_IF_ERROR(host_->Register(info));
+    ASSIGN_OR_RETURN(const uint64_t registration, host_->Register(info));
+    resp->set_registration(registration);
     resp->set_heartbeat_interval_ms(
         static_cast<uint32_t>(absl::ToInt64Milliseconds(host_->options().core.heartbeat_interval)));
     resp->set_next_sequence(1);

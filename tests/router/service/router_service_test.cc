@@ -46,7 +46,7 @@ class RouterServiceTest : public ::testing::Test {
     hasher_ = std::make_unique<BlockHasher>(*h);
   }
 
-  void RegisterWorker(const std::string& id, bool events = true) {
+  void RegisterWorker(const std::string& id, bool events = true, uint64_t* registration = nullptr) {
     v1::RegisterRequest r;
     r.set_source_id(id);
     r.set_kind(v1::SOURCE_KIND_WORKER);
@@ -57,6 +57,8 @@ class RouterServiceTest : public ::testing::Test {
     ASSERT_TRUE(resp.ok()) << resp.status();
     EXPECT_EQ(resp->next_sequence(), 1u);
     EXPECT_GT(resp->heartbeat_interval_ms(), 0u);
+    EXPECT_NE(resp->registration(), 0u);
+    if (registration != nullptr) *registration = resp->registration();
   }
 
   static std::vector<uint32_t> Tokens(uint32_t n, uint32_t salt) {
@@ -193,6 +195,49 @@ TEST_F(RouterServiceTest, StreamOfAnEarlierRegistrationEndsWithAborted) {
   auto r = client_->Route(TokensRequest(Tokens(16 * 4, 12)));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->gpu_hit_blocks(), 1u) << "the old stream's blocks reached the new registration";
+}
+
+// A stream that names its registration is judged by it, not by when the router reads
+// its first batch: one read only after the source registered again is still refused.
+TEST_F(RouterServiceTest, StreamNamingAnOlderRegistrationIsRefusedHoweverLateItIsRead) {
+  uint64_t first = 0, second = 0;
+  RegisterWorker("w0", true, &first);
+  RegisterWorker("w0", true, &second);
+  ASSERT_NE(first, second);
+  const auto hashes = hasher_->HashPrefix(Tokens(16 * 4, 13));
+  auto stub = v1::Router::NewStub(grpc::CreateChannel(addr_, grpc::InsecureChannelCredentials()));
+  {
+    grpc::ClientContext ctx;
+    v1::PublishEventsResponse resp;
+    auto old_stream = stub->PublishEvents(&ctx, &resp);
+    v1::EventBatch b = Stored("w0", 1, hashes, 2, /*dump=*/true);
+    b.set_registration(first);
+    old_stream->Write(b);
+    old_stream->WritesDone();
+    const grpc::Status s = old_stream->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::ABORTED) << s.error_message();
+  }
+  auto r = client_->Route(TokensRequest(Tokens(16 * 4, 13)));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->gpu_hit_blocks(), 0u) << "a stream of the first registration reached the second";
+  {
+    grpc::ClientContext ctx;
+    v1::PublishEventsResponse resp;
+    auto stream = stub->PublishEvents(&ctx, &resp);
+    v1::EventBatch b = Stored("w0", 1, hashes, 2, /*dump=*/true);
+    b.set_registration(second);
+    ASSERT_TRUE(stream->Write(b));
+    b = Stored("w0", 3, hashes, 3);
+    b.set_registration(first);  // a stream keeps the registration its first batch named
+    stream->Write(b);
+    stream->WritesDone();
+    const grpc::Status s = stream->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_NE(s.error_message().find("registration="), std::string::npos) << s.error_message();
+  }
+  r = client_->Route(TokensRequest(Tokens(16 * 4, 13)));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->gpu_hit_blocks(), 2u) << "the current registration's dump did not apply";
 }
 
 TEST_F(RouterServiceTest, BadInputGetsClearErrorsAndOthersAreStillServed) {

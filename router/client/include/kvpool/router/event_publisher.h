@@ -99,7 +99,9 @@ class EventPublisher {
   void Loop();
   bool RegisterAndDump();
   bool OpenStream();   // false when stopping
-  void CloseStream();  // cancels and finishes the stream, if any
+  // Finishes the stream, if any (cancelling it first unless `cancel` is false); returns
+  // its status.
+  grpc::Status CloseStream(bool cancel = true);
   bool SendDump();     // false: the stream broke
   HeartbeatOutcome SendHeartbeat();
 
@@ -112,6 +114,7 @@ class EventPublisher {
   v1::PublishEventsResponse stream_resp_;
   std::unique_ptr<grpc::ClientWriter<v1::EventBatch>> stream_;
   uint64_t next_sequence_ = 1;          // thread only
+  uint64_t registration_id_ = 0;        // RegisterResponse.registration; thread only
   uint32_t heartbeat_ms_ = 1000;        // thread only
 
   mutable absl::Mutex mu_;

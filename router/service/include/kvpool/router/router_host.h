@@ -8,14 +8,16 @@
 // max_streams streams exist. One applier thread drains the queue in arrival order and
 // applies batches, full dumps included, in slices of apply_slice_events events,
 // releasing the core lock between slices: a flood of events or a dump of a million
-// blocks delays Route by at most one slice. A large batch is validated whole first,
+// blocks delays Route by one slice at a time (a dump's first slice also drops the
+// source's old entries, one scan of the index). A large batch is validated whole first,
 // without the lock, so a bad event late in it applies nothing.
 //
 //   stream ─Enqueue─► [queue ≤ max_streams batches] ─applier─► core (slices) ─► done(result)
 //   Route ───────────────────────────────────────────────────► core (one lock hold)
 //
-// A stream belongs to one registration of its source: the one current when its first
-// batch arrived (RegistrationOf). A source that registers again is a new incarnation with
+// A stream belongs to one registration of its source: the one its batches name
+// (EventBatch.registration, from Register), else the one current when its first batch
+// was read (RegistrationOf). A source that registers again is a new incarnation with
 // a new stream; what its old stream still delivers, or had queued, or a batch whose
 // slices are still applying, describes the old incarnation, so every slice checks the
 // registration under the core lock and such work fails with ABORTED instead of landing
@@ -59,7 +61,9 @@ class RouterHost {
   const RouterHostOptions& options() const { return options_; }
 
   absl::StatusOr<RouteDecision> Route(const RouteInput& in);
-  absl::Status Register(const SourceInfo& info);
+  // The registration's number (RegisterResponse.registration): a stream that carries it
+  // belongs to this registration (see Enqueue).
+  absl::StatusOr<uint64_t> Register(const SourceInfo& info);
   HeartbeatResult Heartbeat(absl::string_view source_id, const InstanceLoad& load,
                             std::span<const uint64_t> completed);
   RouterStatsSnapshot Stats();
