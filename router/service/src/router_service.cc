@@ -96,7 +96,7 @@ class EventsReactor : public grpc::ServerReadReactor<v1::EventBatch> {
   v1::PublishEventsResponse* const response_;
   v1::EventBatch batch_;
   std::string source_;
-  uint64_t registration_ = 0;  // RouterHost::RegistrationOf(source_) at the first batch
+  uint64_t registration_ = 0;  // the first batch's registration, else RegistrationOf(source_) then
   bool opened_ = false;
 };
 
