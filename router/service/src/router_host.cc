@@ -174,7 +174,8 @@ absl::StatusOr<RouterCore::Registration> RouterHost::CheckRegistration(const Wor
   return reg;
 }
 
-absl::StatusOr<EventsResult> RouterHost::Apply(Work& w) {
+absl::StatusOr<EventsResult> RouterHost::Apply(Work& w, uint64_t* applied) {
+  *applied = 0;
   const EventBatch& b = w.batch;
   const size_t n = b.events.size();
   const size_t slice = options_.apply_slice_events;
@@ -183,7 +184,9 @@ absl::StatusOr<EventsResult> RouterHost::Apply(Work& w) {
     const absl::Time now = clock_();
     absl::MutexLock l(&core_mu_);
     RETURN_IF_ERROR(CheckRegistration(w).status());
-    return core_->ApplyEvents(w.source_id, b, now);
+    absl::StatusOr<EventsResult> r = core_->ApplyEvents(w.source_id, b, now);
+    if (r.ok()) *applied = r->apply.applied;
+    return r;
   }
   // Validate everything first, so a bad event late in the batch applies nothing. Off the
   // lock: the checks need only the source's kind, and it cannot change under this
@@ -215,6 +218,7 @@ absl::StatusOr<EventsResult> RouterHost::Apply(Work& w) {
     }
     RETURN_IF_ERROR(r.status());
     total.apply.applied += r->apply.applied;
+    *applied = total.apply.applied;
     total.apply.duplicates += r->apply.duplicates;
     total.apply.ignored += r->apply.ignored;
     total.apply.gap |= r->apply.gap;
@@ -242,10 +246,12 @@ void RouterHost::ApplierLoop() {
       }
     }
     if (w) {
-      absl::StatusOr<EventsResult> r = Apply(*w);
+      uint64_t applied = 0;
+      absl::StatusOr<EventsResult> r = Apply(*w, &applied);
       if (metrics_ != nullptr) {
         event_lag_->Observe(absl::ToDoubleSeconds(clock_() - w->enqueued));
-        if (r.ok()) events_applied_->Increment(static_cast<double>(r->apply.applied));
+        // Slices that landed before a later one failed count too, as in the core's stats.
+        events_applied_->Increment(static_cast<double>(applied));
       }
       w->done(std::move(r));
     }

@@ -14,6 +14,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "kvpool/metrics/metrics.h"
 
 namespace kvpool::router {
 namespace {
@@ -104,7 +105,7 @@ class RouterHostTest : public ::testing::Test {
     o.core.models = {"tiny-gqa"};
     o.apply_slice_events = slice_events;
     o.tick_interval = absl::Hours(1);  // no maintenance in the middle of a test
-    auto h = RouterHost::Create(o, nullptr, [this] { return clock_.Now(); });
+    auto h = RouterHost::Create(o, &metrics_, [this] { return clock_.Now(); });
     ASSERT_TRUE(h.ok()) << h.status();
     host_ = std::move(*h);
   }
@@ -158,6 +159,7 @@ class RouterHostTest : public ::testing::Test {
   }
 
   ApplierPauses clock_;
+  MetricsRegistry metrics_;  // declared before host_: outlives it
   std::unique_ptr<RouterHost> host_;
 };
 
@@ -290,6 +292,10 @@ TEST_F(RouterHostTest, RegisteringAgainDuringADumpDropsItsRemainingSlices) {
   EXPECT_EQ(GpuHit(chain), 0u);
   EXPECT_EQ(StatsOf("w0").index_blocks, 0u);
   EXPECT_EQ(StatsOf("w0").last_sequence, 0u);
+  // The slices that landed before the abort count in /metrics as in the core's stats.
+  const uint64_t applied = host_->Stats().events_applied;
+  EXPECT_GT(applied, 0u);
+  EXPECT_EQ(metrics_.GetCounter("kvpool_router_events_applied_total", "").value(), static_cast<double>(applied));
 }
 
 // As for sliced event batches, the whole dump is validated before its first slice.

@@ -91,7 +91,8 @@ class RouterHost {
   };
   RouterHost(RouterHostOptions options, MetricsRegistry* metrics, Clock clock);
   void ApplierLoop();
-  absl::StatusOr<EventsResult> Apply(Work& w);
+  // `*applied` counts the events that landed, also when a later slice fails.
+  absl::StatusOr<EventsResult> Apply(Work& w, uint64_t* applied);
   // The source's registration, if it is still the one `w` was queued under.
   absl::StatusOr<RouterCore::Registration> CheckRegistration(const Work& w)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_mu_);
