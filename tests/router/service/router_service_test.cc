@@ -61,6 +61,12 @@ class RouterServiceTest : public ::testing::Test {
     if (registration != nullptr) *registration = resp->registration();
   }
 
+  // A stub of its own, for streams the tests drive batch by batch (RouterClient sends a
+  // whole PublishEvents call at once).
+  std::unique_ptr<v1::Router::Stub> RawStub() {
+    return v1::Router::NewStub(grpc::CreateChannel(addr_, grpc::InsecureChannelCredentials()));
+  }
+
   static std::vector<uint32_t> Tokens(uint32_t n, uint32_t salt) {
     std::vector<uint32_t> t(n);
     for (uint32_t i = 0; i < n; ++i) t[i] = salt * 100003 + i;
@@ -171,7 +177,7 @@ TEST_F(RouterServiceTest, GapRequestsDumpAndDumpRestores) {
 TEST_F(RouterServiceTest, StreamOfAnEarlierRegistrationEndsWithAborted) {
   RegisterWorker("w0");
   const auto hashes = hasher_->HashPrefix(Tokens(16 * 4, 12));
-  auto stub = v1::Router::NewStub(grpc::CreateChannel(addr_, grpc::InsecureChannelCredentials()));
+  auto stub = RawStub();
   grpc::ClientContext ctx;
   v1::PublishEventsResponse resp;
   auto old_stream = stub->PublishEvents(&ctx, &resp);
@@ -205,7 +211,7 @@ TEST_F(RouterServiceTest, StreamNamingAnOlderRegistrationIsRefusedHoweverLateItI
   RegisterWorker("w0", true, &second);
   ASSERT_NE(first, second);
   const auto hashes = hasher_->HashPrefix(Tokens(16 * 4, 13));
-  auto stub = v1::Router::NewStub(grpc::CreateChannel(addr_, grpc::InsecureChannelCredentials()));
+  auto stub = RawStub();
   {
     grpc::ClientContext ctx;
     v1::PublishEventsResponse resp;
