@@ -124,6 +124,12 @@ void Drain(grpc::CompletionQueue& cq, size_t in_flight) {
 }
 
 constexpr size_t kMaxEntriesPerRpc = 4096;  // the node's limit per Reserve / Commit
+
+// Put reserves pieces up to this many bytes ahead of the one being copied (at least two
+// pieces): a Reserve's round trip then seldom stalls the copies. With two pieces ahead
+// the client waited ~0.27 ms per 8 MiB piece for its Reserve on this 2-core host (12% of
+// the shared-memory Put's time); with 64 MiB ahead, ~0.05 ms.
+constexpr uint64_t kReserveAheadBytes = 64 << 20;
 }  // namespace
 
 PoolClient::PoolClient() : s_(std::make_unique<State>()) {}
@@ -266,9 +272,9 @@ absl::Status PoolClient::Get(const PoolLease& lease, std::span<const std::vector
 }
 
 absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutItem> items) {
-  // Pieces of about put_pipeline_bytes: the Reserves of the next pieces are in flight
-  // while piece k is copied, and Commit of piece k (the node checksums it) while piece
-  // k+1 is copied.
+  // Pieces of about put_pipeline_bytes: the Reserves of the next pieces (up to
+  // kReserveAheadBytes) are in flight while piece k is copied, and Commit of piece k
+  // (the node checksums it) while piece k+1 is copied.
   std::vector<std::pair<size_t, size_t>> pieces;  // [begin, end) of items
   {
     size_t begin = 0;
@@ -384,11 +390,21 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
   };
 
   absl::Status err;
-  constexpr size_t kReserveAhead = 2;  // Reserve RPCs in flight ahead of the copies
   size_t reserved = 0;
+  uint64_t reserved_bytes = 0, copied_bytes = 0;  // of the pieces reserved / started
+  auto piece_bytes = [&](size_t k) {
+    uint64_t n = 0;
+    for (size_t i = pieces[k].first; i < pieces[k].second; ++i) n += items[i].length;
+    return n;
+  };
   std::optional<size_t> pending;  // a piece moved (or moving) but not committed yet
   for (size_t k = 0; k < pieces.size(); ++k) {
-    while (reserved < pieces.size() && reserved <= k + kReserveAhead) start_reserve(reserved++);
+    while (reserved < pieces.size() &&
+           (reserved <= k + 2 || reserved_bytes - copied_bytes < kReserveAheadBytes)) {
+      reserved_bytes += piece_bytes(reserved);
+      start_reserve(reserved++);
+    }
+    copied_bytes += piece_bytes(k);
     err = start_transfer(k);
     if (pending) {  // moved before piece k failed, if it did: still worth storing
       absl::Status c = commit(*std::exchange(pending, std::nullopt));
