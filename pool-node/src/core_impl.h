@@ -56,13 +56,16 @@ struct Object {
 struct ReservedEntry {
   ReserveEntrySpec spec;
   bool already_present = false;
-  bool consumed = false;
+  bool claimed = false;  // named by a Commit (verifying or done)
   std::vector<uint32_t> pages;
 };
 
 struct ReservationState {
   int64_t expires_ms = 0;
-  bool committing = false;
+  uint32_t committing = 0;  // Commits between their claim and their publish: no expiry
+  uint32_t claimed = 0;     // Commits that came (claimed their entries)
+  uint32_t done = 0;        // Commits published
+  uint32_t last = 0;        // from a final Commit: the reservation's Commits in all (0: none yet)
   std::vector<ReservedEntry> entries;
 };
 
@@ -152,6 +155,7 @@ class PoolCore::Impl {
   uint64_t EvictableDramPages(int kind) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ExpireLocked(int64_t now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EndLease(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FreeReservedEntry(ReservedEntry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeReservation(ReservationState& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<std::byte*> Addresses(const std::vector<uint32_t>& dram_pages) const;
   uint64_t Checksum(const std::vector<uint32_t>& dram_pages, uint64_t length) const;

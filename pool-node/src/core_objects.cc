@@ -288,14 +288,15 @@ void PoolCore::Impl::EndLease(uint64_t id) {
   leases_.erase(it);
 }
 
+void PoolCore::Impl::FreeReservedEntry(ReservedEntry& e) {
+  if (e.pages.empty()) return;
+  alloc_[0]->Free(e.pages);
+  reserved_by_kind_[KindIndex(e.spec.kind)] -= e.pages.size();
+  e.pages.clear();
+}
+
 void PoolCore::Impl::FreeReservation(ReservationState& r) {
-  for (ReservedEntry& e : r.entries) {
-    if (!e.pages.empty()) {
-      alloc_[0]->Free(e.pages);
-      reserved_by_kind_[KindIndex(e.spec.kind)] -= e.pages.size();
-      e.pages.clear();
-    }
-  }
+  for (ReservedEntry& e : r.entries) FreeReservedEntry(e);
 }
 
 void PoolCore::Impl::ExpireLocked(int64_t now) {
@@ -305,7 +306,7 @@ void PoolCore::Impl::ExpireLocked(int64_t now) {
     ++expired_leases_;
   }
   for (auto it = reservations_.begin(); it != reservations_.end();) {
-    if (!it->second.committing && it->second.expires_ms <= now) {
+    if (it->second.committing == 0 && it->second.expires_ms <= now) {
       FreeReservation(it->second);
       ++reclaimed_;
       reservations_.erase(it++);

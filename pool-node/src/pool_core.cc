@@ -285,59 +285,69 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
 }
 
 absl::StatusOr<std::vector<CommitOutcome>> PoolCore::Commit(uint64_t reservation_id,
-                                                            std::span<const CommitEntrySpec> entries) {
+                                                            std::span<const CommitEntrySpec> entries,
+                                                            bool partial, uint32_t commits) {
   if (entries.size() > kMaxBatch) {
     return absl::InvalidArgumentError(absl::StrCat("entries: ", entries.size(), " given; at most 4096"));
   }
   Impl& im = *impl_;
-  // Phase 1: claim the reservation so expiry leaves it alone while we checksum.
-  std::vector<ReservedEntry> snapshot;
+  // Phase 1: claim the named entries; while any Commit of it verifies, expiry leaves the
+  // reservation alone, and a final Commit's end waits for the others.
+  struct Claim {
+    int slot = -1;  // index in the reservation's entries; -1: not reserved or named twice
+    bool verify = false;
+    std::vector<uint32_t> pages;  // a copy: the pages stay in the reservation meanwhile
+    uint64_t length = 0;
+  };
+  std::vector<Claim> claims(entries.size());
   {
     absl::MutexLock l(&im.mu_);
     im.ExpireLocked(im.clock_->NowMs());
     auto it = im.reservations_.find(reservation_id);
-    if (it == im.reservations_.end()) {
+    if (it == im.reservations_.end() || (it->second.last != 0 && it->second.claimed >= it->second.last) ||
+        (!partial && it->second.last != 0)) {
       return absl::NotFoundError(absl::StrCat(
-          "reservation_id=", reservation_id, " is unknown: it was committed already or reclaimed after ",
-          options_.reserve_timeout_ms, " ms; Reserve again"));
+          "reservation_id=", reservation_id, " is unknown: it was committed already (a Commit without "
+          "partial ends it) or reclaimed after ", options_.reserve_timeout_ms, " ms; Reserve again"));
     }
-    if (it->second.committing) {
-      return absl::FailedPreconditionError(absl::StrCat("reservation_id=", reservation_id,
-                                                        " is being committed by another call"));
+    ReservationState& rs = it->second;
+    if (!partial) rs.last = std::max<uint32_t>(commits, rs.claimed + 1);
+    ++rs.claimed;
+    for (size_t i = 0; i < entries.size(); ++i) {
+      for (size_t j = 0; j < rs.entries.size(); ++j) {
+        ReservedEntry& re = rs.entries[j];
+        if (re.spec.hash == entries[i].hash && !re.claimed) {
+          re.claimed = true;
+          claims[i].slot = static_cast<int>(j);
+          claims[i].verify = !re.already_present;
+          claims[i].pages = re.pages;
+          claims[i].length = re.spec.length;
+          break;
+        }
+      }
     }
-    it->second.committing = true;
-    snapshot = it->second.entries;
+    ++rs.committing;
   }
-  // Phase 2: checksums of the written bytes, without the lock (pages owned by us).
+  // Phase 2: checksums of the written bytes, without the lock (pages owned by the
+  // reservation, which cannot end or expire while this Commit counts in `committing`).
   std::vector<CommitOutcome> out(entries.size());
-  std::vector<int> slot_of(entries.size(), -1);
   std::vector<uint64_t> actual(entries.size(), 0);
   for (size_t i = 0; i < entries.size(); ++i) {
     out[i].hash = entries[i].hash;
-    for (size_t j = 0; j < snapshot.size(); ++j) {
-      if (snapshot[j].spec.hash == entries[i].hash && !snapshot[j].consumed) {
-        slot_of[i] = static_cast<int>(j);
-        snapshot[j].consumed = true;
-        break;
-      }
-    }
-    if (slot_of[i] >= 0 && !snapshot[slot_of[i]].already_present) {
-      actual[i] = im.Checksum(snapshot[slot_of[i]].pages, snapshot[slot_of[i]].spec.length);
-    }
+    if (claims[i].verify) actual[i] = im.Checksum(claims[i].pages, claims[i].length);
   }
   // Phase 3: publish.
   absl::MutexLock l(&im.mu_);
   auto it = im.reservations_.find(reservation_id);
   ReservationState& rs = it->second;
   for (size_t i = 0; i < entries.size(); ++i) {
-    if (slot_of[i] < 0) {
+    if (claims[i].slot < 0) {
       out[i].status = absl::InvalidArgumentError(absl::StrCat(
           "entries[", i, "].block_hash ", entries[i].hash.ToHex(),
           " was not reserved in reservation ", reservation_id, " (or is named twice)"));
       continue;
     }
-    ReservedEntry& re = rs.entries[slot_of[i]];
-    re.consumed = true;
+    ReservedEntry& re = rs.entries[claims[i].slot];
     if (re.already_present) continue;
     const ObjectKey key{re.spec.hash, re.spec.kind};
     if (actual[i] != entries[i].checksum) {
@@ -346,10 +356,12 @@ absl::StatusOr<std::vector<CommitOutcome>> PoolCore::Commit(uint64_t reservation
           "its pages were freed, Reserve and write it again",
           i, re.spec.hash.ToHex(), entries[i].checksum, re.spec.length, actual[i]));
       ++im.checksum_failures_;
-      continue;  // pages freed with the reservation below
+      im.FreeReservedEntry(re);
+      continue;
     }
     if (Object* existing = im.Find(key)) {  // committed meanwhile by another client
       im.Touch(*existing);
+      im.FreeReservedEntry(re);
       continue;
     }
     auto obj = std::make_unique<Object>();
@@ -362,8 +374,13 @@ absl::StatusOr<std::vector<CommitOutcome>> PoolCore::Commit(uint64_t reservation
     im.AddCopy(*p, kD, std::move(re.pages));
     re.pages.clear();
   }
-  im.FreeReservation(rs);
-  im.reservations_.erase(it);
+  // The reservation ends with its last Commit, as counted by the final one.
+  --rs.committing;
+  ++rs.done;
+  if (rs.last != 0 && rs.done >= rs.last && rs.committing == 0) {
+    im.FreeReservation(rs);
+    im.reservations_.erase(it);
+  }
   return out;
 }
 

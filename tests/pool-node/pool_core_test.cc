@@ -129,6 +129,91 @@ TEST_F(PoolCoreTest, ChecksumMismatchAtCommitIsDataLossAndFreesPages) {
   EXPECT_TRUE(core->Reserve({&all, 1}).ok());
 }
 
+// One Reserve, committed piece by piece: the final Commit may overtake the partial ones
+// (a node verifies Commits on several threads); it says how many there are, so the
+// reservation ends after the last of them, whatever their order.
+TEST_F(PoolCoreTest, PartialCommitsInAnyOrderUnderOneReservation) {
+  auto core = Make(8);
+  std::vector<std::string> bytes;
+  std::vector<ReserveEntrySpec> specs;
+  for (int i = 0; i < 4; ++i) {
+    bytes.push_back(Pattern(i, kPage + 10 * i));
+    specs.push_back({H(i), i == 0 ? std::nullopt : std::optional<BlockHash>(H(i - 1)), StateKind::kAttnKv,
+                     bytes.back().size()});
+  }
+  auto r = core->Reserve(specs);
+  ASSERT_TRUE(r.ok()) << r.status();
+  for (int i = 0; i < 4; ++i) core->CopyToRun(r->slots[i].run, testing::Bytes(bytes[i]));
+  auto entry = [&](int i) { return CommitEntrySpec{H(i), Checksum64(testing::Bytes(bytes[i]))}; };
+  // Three Commits: {3} final (commits = 3) first, then {0, 1} and {2} partial.
+  const CommitEntrySpec last = entry(3);
+  auto out = core->Commit(r->id, {&last, 1}, /*partial=*/false, /*commits=*/3);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_TRUE((*out)[0].status.ok()) << (*out)[0].status;
+  EXPECT_EQ(core->Stats().pending_reservations, 1u);
+  const std::vector<CommitEntrySpec> first = {entry(0), entry(1)};
+  out = core->Commit(r->id, first, /*partial=*/true);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_TRUE((*out)[0].status.ok() && (*out)[1].status.ok());
+  // Named twice (already committed by the Commit before): a per-entry error.
+  const std::vector<CommitEntrySpec> again = {entry(2), entry(1)};
+  out = core->Commit(r->id, again, /*partial=*/true);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_TRUE((*out)[0].status.ok()) << (*out)[0].status;
+  EXPECT_EQ((*out)[1].status.code(), absl::StatusCode::kInvalidArgument);
+  // The third Commit ended the reservation.
+  auto st = core->Stats();
+  EXPECT_EQ(st.pending_reservations, 0u);
+  EXPECT_EQ(st.reserved_bytes, 0u);
+  EXPECT_EQ(core->Commit(r->id, {}, /*partial=*/true).status().code(), absl::StatusCode::kNotFound);
+  auto ans = core->Lookup({.hashes = {H(0), H(1), H(2), H(3)}});
+  ASSERT_TRUE(ans.ok()) << ans.status();
+  ASSERT_EQ(ans->prefix_blocks, 4u);
+  for (int i = 0; i < 4; ++i) {
+    auto got = core->ReadObject(ans->lease_id, ans->objects[i].key);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_TRUE(*got == bytes[i]) << "object " << i << " differs";
+  }
+}
+
+// A final Commit (here an empty one, as a client sends after a failed transfer) ends the
+// reservation once the Commits it counts are done; entries none of them named are freed.
+// A final Commit counting a partial one that never comes leaves the rest to the timeout.
+TEST_F(PoolCoreTest, FinalCommitFreesWhatNoCommitNamedAndAMissingOneTimesOut) {
+  auto core = Make(8, {.reserve_timeout_ms = 1000});
+  const std::string a = Pattern(1, kPage), b = Pattern(2, 2 * kPage);
+  std::vector<ReserveEntrySpec> specs = {{H(1), std::nullopt, StateKind::kAttnKv, a.size()},
+                                         {H(2), H(1), StateKind::kAttnKv, b.size()}};
+  auto r = core->Reserve(specs);
+  ASSERT_TRUE(r.ok()) << r.status();
+  core->CopyToRun(r->slots[0].run, testing::Bytes(a));
+  const CommitEntrySpec ca{H(1), Checksum64(testing::Bytes(a))};
+  ASSERT_TRUE(core->Commit(r->id, {&ca, 1}, /*partial=*/true).ok());
+  EXPECT_EQ(core->Stats().reserved_bytes, 2 * kPage);  // H(2)'s pages stay reserved
+  ASSERT_TRUE(core->Commit(r->id, {}, /*partial=*/false, /*commits=*/2).ok());
+  auto st = core->Stats();
+  EXPECT_EQ(st.pending_reservations, 0u);
+  EXPECT_EQ(st.reserved_bytes, 0u);
+  EXPECT_EQ(st.tiers[0].used_bytes, kPage);
+  EXPECT_TRUE(core->Inspect({H(1), StateKind::kAttnKv}));
+  EXPECT_FALSE(core->Inspect({H(2), StateKind::kAttnKv}));
+
+  // Counted three Commits; only two come: the reservation waits, then times out.
+  auto r2 = core->Reserve(std::span<const ReserveEntrySpec>(&specs[1], 1));
+  ASSERT_TRUE(r2.ok()) << r2.status();
+  ASSERT_TRUE(core->Commit(r2->id, {}, /*partial=*/false, /*commits=*/3).ok());
+  ASSERT_TRUE(core->Commit(r2->id, {}, /*partial=*/true).ok());
+  EXPECT_EQ(core->Stats().pending_reservations, 1u);
+  // A second final Commit is refused: the reservation has one end.
+  EXPECT_EQ(core->Commit(r2->id, {}, /*partial=*/false).status().code(), absl::StatusCode::kNotFound);
+  clock_.AdvanceMs(1001);
+  core->RunMaintenance();
+  st = core->Stats();
+  EXPECT_EQ(st.pending_reservations, 0u);
+  EXPECT_EQ(st.reserved_bytes, 0u);
+  EXPECT_EQ(st.reclaimed_reservations, 1u);
+}
+
 TEST_F(PoolCoreTest, ZombieReserveIsReclaimedAfterTimeout) {
   auto core = Make(8, {.reserve_timeout_ms = 1000});
   ReserveEntrySpec e{H(1), std::nullopt, StateKind::kAttnKv, 8 * kPage};

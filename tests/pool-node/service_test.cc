@@ -447,6 +447,45 @@ TEST_F(ServiceTest, WireErrorsNameFieldsAndCodes) {
   expect_invalid(stub_->Reserve(&c11, self, &rresp), "entries[0].parent_hash equals block_hash");
 }
 
+// Commit's partial / commits fields reach the core: a final Commit that overtakes the
+// partial one it counts leaves the reservation open for it.
+TEST_F(ServiceTest, FinalCommitSentFirstWaitsForThePartialOneItCounts) {
+  grpc::ClientContext c1;
+  v1::ReserveRequest rreq;
+  for (int i = 0; i < 2; ++i) {
+    auto* e = rreq.add_entries();
+    e->set_block_hash(H(40 + i).ToBytes());
+    e->set_kind(v1::STATE_KIND_ATTN_KV);
+    e->set_length(1000);
+  }
+  v1::ReserveResponse rresp;
+  ASSERT_TRUE(stub_->Reserve(&c1, rreq, &rresp).ok());
+  auto commit = [&](int block, bool partial, uint32_t commits) {
+    grpc::ClientContext ctx;
+    v1::CommitRequest creq;
+    creq.set_reservation_id(rresp.reservation_id());
+    creq.set_partial(partial);
+    creq.set_commits(commits);
+    auto* ce = creq.add_entries();
+    ce->set_block_hash(H(block).ToBytes());
+    ce->set_checksum(1);  // nothing was written: DATA_LOSS per entry, pages freed
+    v1::CommitResponse cresp;
+    grpc::Status st = stub_->Commit(&ctx, creq, &cresp);
+    EXPECT_TRUE(st.ok()) << st.error_message();
+    ASSERT_EQ(cresp.results_size(), 1);
+    EXPECT_EQ(cresp.results(0).code(), static_cast<int>(grpc::StatusCode::DATA_LOSS));
+  };
+  commit(41, /*partial=*/false, /*commits=*/2);
+  auto stats = client_->GetStats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->pending_reservations(), 1u);
+  commit(40, /*partial=*/true, 0);
+  stats = client_->GetStats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->pending_reservations(), 0u);
+  EXPECT_EQ(stats->reserved_bytes(), 0u);
+}
+
 TEST_F(ServiceTest, HealthAndMetricsAreServed) {
   grpc::GenericStub generic(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;

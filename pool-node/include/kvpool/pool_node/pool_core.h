@@ -211,10 +211,16 @@ class PoolCore {
   // Allocates page runs for the entries not already present, evicting if needed;
   // RESOURCE_EXHAUSTED (nothing reserved) when they do not fit even after eviction.
   absl::StatusOr<Reservation> Reserve(std::span<const ReserveEntrySpec> entries);
-  // Verifies and publishes the named entries of a reservation; entries not named are
-  // abandoned (pages freed). NOT_FOUND for an unknown or reclaimed reservation.
+  // Verifies and publishes the named entries of a reservation. A final Commit (`partial`
+  // false) says how many Commits the reservation gets in all, itself included
+  // (`commits`, 0 counts as 1); once that many are done the reservation ends and entries
+  // no Commit named are abandoned (pages freed). A partial Commit leaves the entries it
+  // does not name reserved. Commits of one reservation may overlap and come in any order
+  // (a client commits a large put piece by piece under one Reserve). NOT_FOUND for an
+  // unknown, ended or reclaimed reservation.
   absl::StatusOr<std::vector<CommitOutcome>> Commit(uint64_t reservation_id,
-                                                    std::span<const CommitEntrySpec> entries);
+                                                    std::span<const CommitEntrySpec> entries,
+                                                    bool partial = false, uint32_t commits = 1);
   // Ends a lease. NOT_FOUND when it is unknown, expired or already released.
   absl::Status Release(uint64_t lease_id);
 

@@ -62,9 +62,10 @@ struct PoolClientOptions {
   transport::Worker* worker = nullptr;            // caller's UCX worker; outlives the client
   std::shared_ptr<transport::Arena> local_arena;  // registered with `worker`
   int rpc_timeout_ms = 10'000;
-  // Put: bytes per pipelined piece (Reserve / transfer / Commit). Items of one piece are
-  // reserved together; a Put larger than this is several reservations (a piece that
-  // fails leaves earlier pieces stored: a retry finds them already present).
+  // Put: bytes per pipelined piece (transfer / Commit). One Reserve covers the pieces of
+  // up to 64 MiB (4096 items), each committed on its own (a partial Commit, the last one
+  // final); a piece that fails leaves earlier pieces stored: a retry finds them already
+  // present.
   uint64_t put_pipeline_bytes = 8 << 20;
 };
 
