@@ -258,13 +258,18 @@ void EventPublisher::Loop() {
         spdlog::warn("router {}: PublishEvents stream broke ({}); reconnecting with a full dump",
                      opts_.router_address, why.error_message());
         connected = false;
-        if (why.error_code() == grpc::StatusCode::ABORTED) {
+        const bool aborted = why.error_code() == grpc::StatusCode::ABORTED;
+        if (aborted) {
+          spdlog::warn("router {}: {} was registered again elsewhere; is another process using this id?",
+                       opts_.router_address, opts_.registration.source_id());
+        }
+        absl::MutexLock l(&mu_);
+        streaming_ = false;  // no stream until the next Register: the dump that opens it covers these
+        queue_.clear();
+        if (aborted) {
           // Registered again since this stream began: by this publisher, or by another
           // process with the same source id. Not at once: two such processes would
           // otherwise take the registration from each other at every write.
-          spdlog::warn("router {}: {} was registered again elsewhere; is another process using this id?",
-                       opts_.router_address, opts_.registration.source_id());
-          absl::MutexLock l(&mu_);
           mu_.AwaitWithTimeout(absl::Condition(&stop_), opts_.retry_interval);
           if (stop_) break;
         }

@@ -353,12 +353,16 @@ void KvIndex::ApplyEvent(SourceSlot slot, const KvEvent& event) {
 
 ApplyResult KvIndex::ApplyBatch(SourceSlot slot, const EventBatch& batch) {
   if (batch.full_dump) return ApplyDumpPart(slot, batch, 0, batch.events.size());
+  return ApplyInOrder(slot, batch.events);
+}
+
+ApplyResult KvIndex::ApplyInOrder(SourceSlot slot, std::span<const KvEvent> events) {
   ApplyResult r;
-  for (size_t i = 0; i < batch.events.size(); ++i) {
-    const KvEvent& e = batch.events[i];
+  for (size_t i = 0; i < events.size(); ++i) {
+    const KvEvent& e = events[i];
     SourceState& s = Source(slot);
     if (s.stale) {
-      r.ignored += batch.events.size() - i;
+      r.ignored += events.size() - i;
       break;
     }
     if (e.sequence <= s.last_sequence) {
@@ -368,7 +372,7 @@ ApplyResult KvIndex::ApplyBatch(SourceSlot slot, const EventBatch& batch) {
     if (e.sequence != s.last_sequence + 1) {
       s.stale = true;
       r.gap = true;
-      r.ignored += batch.events.size() - i;
+      r.ignored += events.size() - i;
       break;
     }
     ApplyEvent(slot, e);
@@ -545,7 +549,11 @@ EventBatch KvIndex::Dump(SourceSlot slot) const {
   b.full_dump = true;
   b.dump_sequence = last_sequence(slot);
   uint64_t seq = 0;
-  for (const auto& [key, e] : map_) {
+  for (const Map::Slot& kv : map_) {
+    // Named, not a structured binding: the lambda below uses the entry, and capturing a
+    // structured binding needs clang 16 (C++20 allows it; clang 14 rejects it).
+    const BlockHash& key = kv.first;
+    const Entry& e = kv.second;
     const BlockHash h = e.is_state ? StateKey(key) : key;
     const StateKind kind = e.is_state ? StateKind::kLinearState : StateKind::kAttnKv;
     if (HasGpu(e, slot)) b.events.push_back(KvEvent::Stored(++seq, e.parent, {h}, Tier::kGpu, kind));

@@ -211,9 +211,9 @@ absl::StatusOr<RouterCore::Registration> RouterCore::FindRegistration(absl::stri
 }
 
 absl::Status RouterCore::ValidateEvents(absl::string_view source_id, SourceKind kind,
-                                        std::span<const KvEvent> events, size_t first) {
+                                        std::span<const KvEvent> events) {
   for (size_t i = 0; i < events.size(); ++i) {
-    RETURN_IF_ERROR(ValidateEvent(source_id, kind, events[i], first + i));
+    RETURN_IF_ERROR(ValidateEvent(source_id, kind, events[i], i));
   }
   return absl::OkStatus();
 }
@@ -226,28 +226,31 @@ absl::Status RouterCore::ValidateBatch(absl::string_view source_id, const EventB
 absl::StatusOr<EventsResult> RouterCore::ApplyEvents(absl::string_view source_id, const EventBatch& batch,
                                                      absl::Time /*now*/) {
   RETURN_IF_ERROR(ValidateBatch(source_id, batch));
-  const SourceSlot slot = by_id_.find(source_id)->second;
+  return ApplyRange(by_id_.find(source_id)->second, batch, 0, batch.events.size());
+}
+
+absl::StatusOr<EventsResult> RouterCore::ApplyPart(absl::string_view source_id, const EventBatch& batch,
+                                                   size_t begin, size_t end, absl::Time /*now*/) {
+  if (begin > end || end > batch.events.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("ApplyPart: events [", begin, ", ", end, ") of a batch of ",
+                                                   batch.events.size(), " events; pass begin <= end <= ",
+                                                   batch.events.size()));
+  }
+  auto it = by_id_.find(source_id);
+  if (it == by_id_.end()) return FindRegistration(source_id).status();  // NOT_FOUND, naming it
+  return ApplyRange(it->second, batch, begin, end);
+}
+
+EventsResult RouterCore::ApplyRange(SourceSlot slot, const EventBatch& batch, size_t begin, size_t end) {
   EventsResult r;
-  r.apply = index_.ApplyBatch(slot, batch);
+  if (batch.full_dump) {
+    r.apply = index_.ApplyDumpPart(slot, batch, begin, end);
+  } else {
+    r.apply = index_.ApplyInOrder(slot, std::span<const KvEvent>(batch.events).subspan(begin, end - begin));
+  }
   events_applied_ += r.apply.applied;
   if (r.apply.gap) ++full_dumps_requested_;
   r.full_dump_requested = r.apply.full_dump_requested;
-  return r;
-}
-
-absl::StatusOr<EventsResult> RouterCore::ApplyDumpPart(absl::string_view source_id, const EventBatch& batch,
-                                                       size_t begin, size_t end, absl::Time /*now*/) {
-  if (!batch.full_dump || begin > end || end > batch.events.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("ApplyDumpPart: events [", begin, ", ", end, ") of a ",
-                                                   batch.full_dump ? "" : "non-", "dump batch of ",
-                                                   batch.events.size(), " events; pass a part of a full dump"));
-  }
-  ASSIGN_OR_RETURN(const Registration reg, FindRegistration(source_id));
-  RETURN_IF_ERROR(ValidateEvents(source_id, reg.kind,
-                                 std::span<const KvEvent>(batch.events).subspan(begin, end - begin), begin));
-  EventsResult r;
-  r.apply = index_.ApplyDumpPart(by_id_.find(source_id)->second, batch, begin, end);
-  events_applied_ += r.apply.applied;
   return r;
 }
 

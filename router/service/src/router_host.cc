@@ -190,7 +190,8 @@ absl::StatusOr<EventsResult> RouterHost::Apply(Work& w, uint64_t* applied) {
   }
   // Validate everything first, so a bad event late in the batch applies nothing. Off the
   // lock: the checks need only the source's kind, and it cannot change under this
-  // registration, which every slice checks.
+  // registration, which every slice checks. So the slices are not validated again under
+  // the lock (ApplyPart): that would only repeat this answer while Route waits.
   SourceKind kind;
   {
     absl::MutexLock l(&core_mu_);
@@ -202,20 +203,13 @@ absl::StatusOr<EventsResult> RouterHost::Apply(Work& w, uint64_t* applied) {
   // last sets the sequence). The batch's slices run back to back on this thread, so no
   // other batch of the source lands between them; Route sees the dump applied so far.
   EventsResult total;
-  EventBatch part;  // a slice of a non-dump batch
   size_t i = 0;
   do {
     const size_t end = std::min(n, i + slice);
     const absl::Time now = clock_();
     absl::MutexLock l(&core_mu_);
     RETURN_IF_ERROR(CheckRegistration(w).status());
-    absl::StatusOr<EventsResult> r;
-    if (b.full_dump) {
-      r = core_->ApplyDumpPart(w.source_id, b, i, end, now);
-    } else {
-      part.events.assign(b.events.begin() + static_cast<ptrdiff_t>(i), b.events.begin() + static_cast<ptrdiff_t>(end));
-      r = core_->ApplyEvents(w.source_id, part, now);
-    }
+    absl::StatusOr<EventsResult> r = core_->ApplyPart(w.source_id, b, i, end, now);
     RETURN_IF_ERROR(r.status());
     total.apply.applied += r->apply.applied;
     *applied = total.apply.applied;

@@ -4,6 +4,7 @@
 // sequence and dump must agree.
 #include "kvpool/router/kv_index.h"
 
+#include <algorithm>
 #include <map>
 #include <random>
 #include <set>
@@ -355,6 +356,95 @@ TEST(KvIndexTest, ClearingASourceCountsEveryPairItHeld) {
   index.ResetSource(0);
   EXPECT_EQ(index.blocks(), 0u);
   EXPECT_EQ(index.entries(), 0u);
+}
+
+// What Dump says `slot` holds: (hash, kind) -> tier bits.
+std::map<std::pair<BlockHash, StateKind>, uint8_t> Held(const KvIndex& index, SourceSlot slot) {
+  std::map<std::pair<BlockHash, StateKind>, uint8_t> held;
+  for (const KvEvent& e : index.Dump(slot).events) {
+    held[{e.hashes.at(0), e.kind}] |= static_cast<uint8_t>(1u << static_cast<int>(e.tier));
+  }
+  return held;
+}
+
+// (hash, holder) pairs in `held`: a GPU copy and a DRAM/NVMe copy of one hash are two.
+size_t Pairs(const std::map<std::pair<BlockHash, StateKind>, uint8_t>& held) {
+  size_t n = 0;
+  for (const auto& [key, tiers] : held) n += ((tiers & 1) ? 1 : 0) + ((tiers & ~1) ? 1 : 0);
+  return n;
+}
+
+// Dropping a source's entries walks the source's key list instead of the index, so the
+// list must reach every entry the source holds however it came there (stored again after
+// a removal, on GPU and in its own host tier, as a spilled GPU holder, a KDA state key,
+// next to pruning), and the walk must leave every other source's entries alone.
+TEST(KvIndexTest, DroppingASourceRemovesExactlyItsEntriesAfterChurnAndPruning) {
+  std::mt19937_64 rng(7);
+  auto pick = [&](size_t n) { return std::uniform_int_distribution<size_t>(0, n - 1)(rng); };
+  auto chance = [&](double p) { return std::uniform_real_distribution<double>(0, 1)(rng) < p; };
+  std::vector<std::vector<BlockHash>> chains(40);
+  for (size_t c = 0; c < chains.size(); ++c) {
+    for (uint64_t i = 0; i < 10; ++i) chains[c].push_back(H(77000 + c * 100 + i));
+  }
+  KvIndex index(KvIndex::Options{.max_entries = 150, .prune_fraction = 0.25});
+  const std::vector<SourceSlot> slots = {0, 1, 2, 70};  // 70: a GPU holder in the spill
+  for (SourceSlot s : slots) index.ResetSource(s);
+  // Rounds of churn long enough for the key lists to be compacted several times, then
+  // each source dropped in a random way.
+  for (int round = 0; round < 30; ++round) {
+    for (int step = 0; step < 2000; ++step) {
+      const SourceSlot slot = slots[pick(slots.size())];
+      const Tier tier = static_cast<Tier>(pick(kNumTiers));
+      const auto& chain = chains[pick(chains.size())];
+      const size_t start = pick(chain.size());
+      const size_t len = 1 + pick(std::min<size_t>(4, chain.size() - start));
+      const std::span<const BlockHash> hs(chain.data() + start, len);
+      const StateKind kind = chance(0.05) ? StateKind::kLinearState : StateKind::kAttnKv;
+      if (chance(0.6)) {
+        index.Store(slot, start == 0 ? BlockHash{} : chain[start - 1], hs, tier, kind);
+      } else {
+        index.Remove(slot, hs, tier, kind);
+      }
+    }
+    std::vector<SourceSlot> order = slots;
+    std::shuffle(order.begin(), order.end(), rng);
+    for (SourceSlot slot : order) {
+      SCOPED_TRACE("round " + std::to_string(round) + ", slot " + std::to_string(slot));
+      std::map<SourceSlot, std::map<std::pair<BlockHash, StateKind>, uint8_t>> before;
+      for (SourceSlot s : slots) before[s] = Held(index, s);
+      ASSERT_EQ(index.source_entries(slot), Pairs(before[slot]));
+      const size_t entries = index.entries();
+      switch (pick(4)) {
+        case 0: {
+          EventBatch cleared;
+          cleared.events.push_back(KvEvent::Cleared(index.last_sequence(slot) + 1));
+          ASSERT_EQ(index.ApplyBatch(slot, cleared).applied, 1u);
+          break;
+        }
+        case 1: {
+          EventBatch empty_dump;  // its one part drops the source's entries
+          empty_dump.full_dump = true;
+          index.ApplyBatch(slot, empty_dump);
+          break;
+        }
+        case 2:
+          index.ResetSource(slot);
+          break;
+        default:
+          index.RemoveSource(slot);
+          index.ResetSource(slot);
+          break;
+      }
+      EXPECT_TRUE(Held(index, slot).empty()) << "entries of the source outlived the drop";
+      EXPECT_EQ(index.source_entries(slot), 0u);
+      EXPECT_EQ(index.entries(), entries - Pairs(before[slot]));
+      for (SourceSlot s : slots) {
+        if (s == slot) continue;
+        ASSERT_EQ(Held(index, s), before[s]) << "dropping the source changed slot " << s;
+      }
+    }
+  }
+  EXPECT_GT(index.pruned_entries(), 0u);
 }
 
 }  // namespace

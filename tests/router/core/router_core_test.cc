@@ -399,7 +399,8 @@ TEST_F(RouterCoreTest, DumpInPartsEndsTheWaitFirstAndSetsTheSequenceLast) {
   }
   const SourceSlot w0 = static_cast<SourceSlot>(core_->SlotOf("w0"));
 
-  auto first = core_->ApplyDumpPart("w0", dump, 0, 2, kT0);
+  ASSERT_TRUE(core_->ValidateBatch("w0", dump).ok());  // what the caller does first
+  auto first = core_->ApplyPart("w0", dump, 0, 2, kT0);
   ASSERT_TRUE(first.ok()) << first.status();
   EXPECT_EQ(first->apply.applied, 2u);
   EXPECT_FALSE(first->full_dump_requested);
@@ -407,22 +408,65 @@ TEST_F(RouterCoreTest, DumpInPartsEndsTheWaitFirstAndSetsTheSequenceLast) {
   EXPECT_EQ(Route(h).gpu_hit_blocks, 2u);
   EXPECT_EQ(core_->index().last_sequence(w0), 0u);
 
-  EXPECT_EQ(core_->ApplyDumpPart("w0", dump, 4, 2, kT0).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(core_->ApplyDumpPart("w0", gap, 0, 1, kT0).status().code(), absl::StatusCode::kInvalidArgument);
-  auto rest = core_->ApplyDumpPart("w0", dump, 2, h.size(), kT0);
+  auto backwards = core_->ApplyPart("w0", dump, 4, 2, kT0);
+  EXPECT_EQ(backwards.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(backwards.status().message().find("events [4, 2) of a batch of 6 events"), absl::string_view::npos)
+      << backwards.status();
+  EXPECT_EQ(core_->ApplyPart("w0", dump, 2, 7, kT0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(core_->ApplyPart("ghost", dump, 2, 4, kT0).status().code(), absl::StatusCode::kNotFound);
+  auto rest = core_->ApplyPart("w0", dump, 2, h.size(), kT0);
   ASSERT_TRUE(rest.ok()) << rest.status();
   EXPECT_EQ(rest->apply.applied, 4u);
   EXPECT_EQ(rest->apply.last_sequence, 6u);
   EXPECT_EQ(Route(h).gpu_hit_blocks, 6u);
   EXPECT_EQ(core_->Stats(kT0).events_applied, 6u);  // the gap batch applied nothing
 
-  // A part validates its own events (GPU tier from a pool node), naming them in the batch.
+  // Parts are not validated (the caller validated the whole batch first, off its lock):
+  // the whole-batch check names the bad event by its place in the batch.
   EventBatch pool_dump = dump;
   for (KvEvent& e : pool_dump.events) e.tier = Tier::kDram;
   pool_dump.events[3].tier = Tier::kGpu;
-  auto bad = core_->ApplyDumpPart("p0", pool_dump, 2, 4, kT0);
-  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(bad.status().message().find("events[3].stored.tier=GPU"), absl::string_view::npos) << bad.status();
+  const absl::Status bad = core_->ValidateBatch("p0", pool_dump);
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("events[3].stored.tier=GPU"), absl::string_view::npos) << bad;
+}
+
+// A batch that is not a dump applies in parts as in one call: sequence order across the
+// parts, duplicates skipped, and a gap in one part ignores the rest of the batch.
+TEST_F(RouterCoreTest, BatchInPartsEndsLikeTheBatchInOneCall) {
+  MakeDefault(PolicyKind::kCacheAware);
+  Worker("w0");
+  Worker("w1");
+  auto h = Hash(Tokens(16 * 8, 13));
+  EventBatch b;
+  for (uint64_t seq : {1, 2, 2, 3, 4, 6, 7, 8}) {  // 2 twice; 5 missing
+    b.events.push_back(KvEvent::Stored(seq, seq > 1 ? h[seq - 2] : BlockHash{}, {h[seq - 1]}));
+  }
+  auto whole = core_->ApplyEvents("w1", b, kT0);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  EventsResult sum;
+  for (size_t begin = 0; begin < b.events.size(); begin += 3) {
+    auto r = core_->ApplyPart("w0", b, begin, std::min(b.events.size(), begin + 3), kT0);
+    ASSERT_TRUE(r.ok()) << r.status();
+    sum.apply.applied += r->apply.applied;
+    sum.apply.duplicates += r->apply.duplicates;
+    sum.apply.ignored += r->apply.ignored;
+    sum.apply.gap |= r->apply.gap;
+    sum.full_dump_requested = r->full_dump_requested;
+  }
+  EXPECT_EQ(sum.apply.applied, whole->apply.applied);
+  EXPECT_EQ(sum.apply.applied, 4u);
+  EXPECT_EQ(sum.apply.duplicates, 1u);
+  EXPECT_EQ(sum.apply.ignored, whole->apply.ignored);
+  EXPECT_EQ(sum.apply.ignored, 3u);
+  EXPECT_TRUE(sum.apply.gap);
+  EXPECT_TRUE(sum.full_dump_requested);
+  const auto w0 = static_cast<SourceSlot>(core_->SlotOf("w0"));
+  const auto w1 = static_cast<SourceSlot>(core_->SlotOf("w1"));
+  EXPECT_EQ(core_->index().last_sequence(w0), 4u);
+  EXPECT_EQ(core_->index().source_entries(w0), core_->index().source_entries(w1));
+  EXPECT_TRUE(core_->index().stale(w0));
+  EXPECT_EQ(core_->Stats(kT0).full_dumps_requested, 2u);  // one gap per source
 }
 
 TEST_F(RouterCoreTest, BadInputIsRejectedNamingTheField) {

@@ -2,6 +2,7 @@
 // gaps and dumps, routing, bad input, health, /metrics, and kvctl route/status; plus
 // kvpool-router's flag checks.
 #include <atomic>
+#include <functional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -15,8 +16,10 @@
 #include <httplib.h>
 
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "kvctl.h"
 #include "kvpool/common/hash.h"
+#include "kvpool/router/event_publisher.h"
 #include "kvpool/router/router_client.h"
 #include "kvpool/router/router_server.h"
 #include "nlohmann/json.hpp"
@@ -84,6 +87,57 @@ class RouterServiceTest : public ::testing::Test {
     e->mutable_stored()->set_kind(v1::STATE_KIND_ATTN_KV);
     e->mutable_stored()->set_tier(v1::TIER_GPU);
     return b;
+  }
+
+  // An EventPublisher for worker w0 of this router; its dump is `hashes` as one stored
+  // event per block (as a worker dumps object by object).
+  EventPublisherOptions PublisherOptions(const std::vector<BlockHash>& hashes, absl::Duration retry_interval) {
+    EventPublisherOptions o;
+    o.router_address = addr_;
+    o.registration.set_source_id("w0");
+    o.registration.set_kind(v1::SOURCE_KIND_WORKER);
+    o.registration.set_address("w0.local:7000");
+    o.registration.mutable_model()->set_name("tiny-gqa");
+    o.dump = [hashes] {
+      std::vector<v1::KvEvent> d(hashes.size());
+      for (size_t i = 0; i < hashes.size(); ++i) {
+        v1::BlockStored* s = d[i].mutable_stored();
+        if (i > 0) s->set_parent_hash(hashes[i - 1].ToBytes());
+        s->add_block_hashes(hashes[i].ToBytes());
+        s->set_kind(v1::STATE_KIND_ATTN_KV);
+        s->set_tier(v1::TIER_GPU);
+      }
+      return d;
+    };
+    o.retry_interval = retry_interval;
+    return o;
+  }
+
+  static v1::KvEvent StoredEvent(const BlockHash& h) {
+    v1::KvEvent e;
+    e.mutable_stored()->add_block_hashes(h.ToBytes());
+    e.mutable_stored()->set_kind(v1::STATE_KIND_ATTN_KV);
+    e.mutable_stored()->set_tier(v1::TIER_GPU);
+    return e;
+  }
+
+  // Polls `cond` until it holds; false after 30 s. A bound on progress of the publisher
+  // thread, not an assertion on its speed.
+  static bool Eventually(const std::function<bool()>& cond) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (!cond()) {
+      if (absl::Now() > deadline) return false;
+      absl::SleepFor(absl::Milliseconds(2));
+    }
+    return true;
+  }
+
+  // Blocks the router's index attributes to `id` (0 when it is not registered).
+  uint64_t IndexBlocksOf(const std::string& id) {
+    for (const SourceStats& s : server_->host().Stats().sources) {
+      if (s.id == id) return s.index_blocks;
+    }
+    return 0;
   }
 
   v1::RouteRequest TokensRequest(const std::vector<uint32_t>& tokens, const std::string& model = "tiny-gqa") {
@@ -244,6 +298,77 @@ TEST_F(RouterServiceTest, StreamNamingAnOlderRegistrationIsRefusedHoweverLateItI
   r = client_->Route(TokensRequest(Tokens(16 * 4, 13)));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->gpu_hit_blocks(), 2u) << "the current registration's dump did not apply";
+}
+
+// EventPublisher on a stream the router ends with ABORTED (its source id was registered
+// again elsewhere): after retry_interval it registers again, opens a new stream and sends
+// a full dump there, which the router applies under the new registration.
+TEST_F(RouterServiceTest, PublisherWhoseStreamIsAbortedRegistersAgainAndDumps) {
+  const auto tokens = Tokens(16 * 4, 31);
+  const auto hashes = hasher_->HashPrefix(tokens);
+  EventPublisher pub(PublisherOptions(hashes, absl::Milliseconds(20)));
+  pub.Start();
+  ASSERT_TRUE(Eventually([&] { return pub.dumps_sent() == 1 && IndexBlocksOf("w0") == 4; }))
+      << "the publisher's first dump never landed";
+  const uint64_t first = server_->host().RegistrationOf("w0");
+
+  uint64_t other = 0;
+  RegisterWorker("w0", true, &other);  // another process with the same id
+  ASSERT_GT(other, first);
+  ASSERT_EQ(IndexBlocksOf("w0"), 0u);
+  // The publisher learns it at its next write: the router ends the stream with ABORTED.
+  // (A block of the dump: one that lands on the new stream changes nothing.)
+  ASSERT_TRUE(Eventually([&] {
+    pub.Publish(StoredEvent(hashes[0]));
+    return pub.registrations() == 2;
+  })) << "the publisher did not register again after its stream ended with ABORTED";
+  ASSERT_TRUE(Eventually([&] { return pub.dumps_sent() == 2 && IndexBlocksOf("w0") == 4; }))
+      << "no new dump after the stream ended with ABORTED";
+
+  EXPECT_EQ(pub.registrations(), 2u) << "one Register at start, one after ABORTED";
+  EXPECT_GT(server_->host().RegistrationOf("w0"), other) << "the publisher's Register did not follow the other's";
+  EXPECT_TRUE(pub.connected());
+  auto r = client_->Route(TokensRequest(tokens));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->instance_id(), "w0");
+  EXPECT_EQ(r->gpu_hit_blocks(), 4u) << "the new dump is not in the router's view";
+}
+
+// Two publishers with one source id take the registration from each other. The one whose
+// stream ends with ABORTED waits retry_interval (here longer than the test) before it
+// registers again: while the other publishes, nobody registers, instead of a Register
+// (and a dump) per write on both sides.
+TEST_F(RouterServiceTest, PublisherWhoseStreamIsAbortedWaitsBeforeRegisteringAgain) {
+  const auto hashes = hasher_->HashPrefix(Tokens(16 * 4, 33));
+  EventPublisher first(PublisherOptions(hashes, absl::Hours(1)));
+  first.Start();
+  ASSERT_TRUE(Eventually([&] { return first.dumps_sent() == 1 && IndexBlocksOf("w0") == 4; }));
+  EventPublisher second(PublisherOptions(hashes, absl::Hours(1)));
+  second.Start();
+  ASSERT_TRUE(Eventually([&] { return second.dumps_sent() == 1 && IndexBlocksOf("w0") == 4; }));
+  const uint64_t current = server_->host().RegistrationOf("w0");
+
+  const auto extra = hasher_->HashPrefix(Tokens(16 * 200, 34));
+  ASSERT_TRUE(Eventually([&] {
+    first.Publish(StoredEvent(extra[0]));
+    return !first.connected() || first.registrations() > 1;
+  })) << "the first publisher's stream (an older registration) never ended";
+  ASSERT_EQ(first.registrations(), 1u) << "the first publisher registered again as soon as its stream ended";
+  // A window of writes by the second: a first publisher that registered again at once
+  // would end the second's stream, and so on.
+  for (size_t i = 1; i < extra.size(); ++i) {
+    second.Publish(StoredEvent(extra[i]));
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_TRUE(Eventually([&] { return IndexBlocksOf("w0") == 4 + extra.size() - 1; }))
+      << "the second publisher's events did not all land: " << IndexBlocksOf("w0") << " blocks";
+
+  EXPECT_EQ(server_->host().RegistrationOf("w0"), current) << "someone registered w0 again during the window";
+  EXPECT_EQ(first.registrations(), 1u);
+  EXPECT_EQ(second.registrations(), 1u);
+  EXPECT_EQ(second.dumps_sent(), 1u);
+  EXPECT_FALSE(first.connected());
+  EXPECT_TRUE(second.connected());
 }
 
 TEST_F(RouterServiceTest, BadInputGetsClearErrorsAndOthersAreStillServed) {

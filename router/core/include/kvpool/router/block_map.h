@@ -109,8 +109,8 @@ class BlockMap {
   const V* FindValue(const BlockHash& key) const { return const_cast<BlockMap*>(this)->FindValue(key); }
 
   iterator find(const BlockHash& key) {
-    V* v = FindValue(key);
-    return v == nullptr ? end() : iterator(SlotOf(v), slots_ + capacity());
+    const size_t i = FindIndex(key);
+    return i == capacity() ? end() : iterator(&slots_[i], slots_ + capacity());
   }
   const_iterator find(const BlockHash& key) const { return const_cast<BlockMap*>(this)->find(key); }
   bool contains(const BlockHash& key) const { return FindValue(key) != nullptr; }
@@ -118,7 +118,7 @@ class BlockMap {
   // The slot of `key`, with a default value when it was absent (then true).
   std::pair<iterator, bool> try_emplace(const BlockHash& key) {
     if ((size_ + 1) * 2 > capacity()) {
-      if (V* v = FindValue(key)) return {iterator(SlotOf(v), slots_ + capacity()), false};
+      if (const size_t i = FindIndex(key); i != capacity()) return {iterator(&slots_[i], slots_ + capacity()), false};
       Rehash(capacity() * 2);
     }
     size_t i = Home(key);
@@ -162,8 +162,16 @@ class BlockMap {
   size_t Home(const BlockHash& key) const {
     return static_cast<size_t>((key.lo * 0x9E3779B97F4A7C15ull) >> shift_);
   }
-  static Slot* SlotOf(V* v) {
-    return reinterpret_cast<Slot*>(reinterpret_cast<char*>(v) - offsetof(Slot, second));
+  // The slot of `key`, or capacity() when absent. (find does not step back from
+  // FindValue's V* to its Slot: offsetof on a Slot that is not standard-layout, as
+  // KvIndex's is, is only conditionally supported, and clang's -Winvalid-offsetof fails
+  // the build.)
+  size_t FindIndex(const BlockHash& key) const {
+    for (size_t i = Home(key);; i = (i + 1) & mask_) {
+      const Slot& s = slots_[i];
+      if (s.second.slot_state == kEmpty) return capacity();
+      if (s.first == key) return i;
+    }
   }
 
   void EraseAt(size_t hole) {

@@ -29,7 +29,11 @@
 // (a 64-bit mask inline in the entry for slots < 64); Store and Remove are one probe per
 // block, no allocation for slots < 64 and one DRAM/NVMe holder per block. Pruning
 // recounts children then (O(entries)); RemoveSource, cleared events, full dumps (their
-// first part) and Dump scan the whole index (O(entries)).
+// first part) and Dump scan the whole index (O(entries)). A per-source list of keys
+// would make dropping a source O(its entries), but it cost every Store: 256 -> 320 bytes
+// per entry in router_bench, and 0.41-0.44 -> 0.27-0.34 of a bare hash map's throughput
+// in 3 alternated runs (the code without it later read 0.34-0.36 too: noisy), for
+// events that come only after a source is lost or falls behind.
 //
 // Thread safety: none. A KvIndex is owned by one thread or guarded by its owner's mutex
 // (RouterCore's owner holds one). FindMatches mutates (it refreshes entry ages).
@@ -104,6 +108,10 @@ class KvIndex {
 
   // Applies one batch of `slot`'s events (invariants 1-3). REQUIRES: ResetSource(slot) ran.
   ApplyResult ApplyBatch(SourceSlot slot, const EventBatch& batch);
+  // Applies events that are not a full dump in sequence order (invariants 1-2): ApplyBatch
+  // of such a batch. Consecutive parts of a batch end where the whole batch in one call
+  // ends (`ignored` counts the part's events from the gap on).
+  ApplyResult ApplyInOrder(SourceSlot slot, std::span<const KvEvent> events);
   // Applies events [begin, end) of the full dump `batch`, so that an owner can release its
   // lock between parts of a large dump (RouterHost does). The part that starts at 0 drops
   // the source's entries and clears stale (the dump is landing: heartbeats stop asking for
@@ -184,7 +192,7 @@ class KvIndex {
     bool present = false;
     bool stale = false;
     uint64_t last_sequence = 0;
-    size_t entries = 0;
+    size_t entries = 0;  // (hash, this source) pairs in the index
   };
   // Block hashes are uniform already: one multiply keeps hand-made small hashes spread.
   struct Hasher {

@@ -198,16 +198,21 @@ class RouterCore {
   absl::Status ValidateBatch(absl::string_view source_id, const EventBatch& batch) const;
   // ValidateBatch's checks of each event, for a source `source_id` of `kind`. Reads no
   // core state, so a caller may run it without the core's lock (RouterHost does, on a
-  // large batch, with the kind from FindRegistration). Errors name events[first + i].
+  // large batch, with the kind from FindRegistration). Errors name events[i].
   static absl::Status ValidateEvents(absl::string_view source_id, SourceKind kind,
-                                     std::span<const KvEvent> events, size_t first = 0);
-  // Applies events [begin, end) of the full dump `batch` (KvIndex::ApplyDumpPart), after
-  // validating them: RouterHost applies a large dump in parts and releases its lock in
-  // between, so Route does not wait for the whole dump. ApplyEvents of a dump is the one
-  // part [0, size). REQUIRES: batch.full_dump; parts in order; the whole batch validated
-  // before the first part (else a bad event in a later part leaves the dump half applied).
-  absl::StatusOr<EventsResult> ApplyDumpPart(absl::string_view source_id, const EventBatch& batch,
-                                             size_t begin, size_t end, absl::Time now);
+                                     std::span<const KvEvent> events);
+  // Applies events [begin, end) of `batch`, a full dump (KvIndex::ApplyDumpPart) or not
+  // (KvIndex::ApplyInOrder), without validating them: RouterHost validates a large batch
+  // whole, off its lock, then applies it in parts and releases its lock in between, so
+  // Route does not wait for the whole batch. ApplyEvents is ValidateBatch and the one
+  // part [0, size). INVALID_ARGUMENT for a range outside the batch; NOT_FOUND for an
+  // unregistered source.
+  // REQUIRES: parts in order; ValidateEvents(source_id, kind, batch.events) passed before
+  // the first part, with `kind` from the source's registration, and the source has not
+  // registered again since (the checks read nothing else, so checking again per part
+  // would repeat the same answer; RouterHost checks the registration at every part).
+  absl::StatusOr<EventsResult> ApplyPart(absl::string_view source_id, const EventBatch& batch, size_t begin,
+                                         size_t end, absl::Time now);
   HeartbeatResult Heartbeat(absl::string_view source_id, const InstanceLoad& load,
                             std::span<const uint64_t> completed_decisions, absl::Time now);
   // Releases one decision's optimistic load (the simulator's completion path).
@@ -235,6 +240,8 @@ class RouterCore {
   };
 
   explicit RouterCore(RouterOptions options);
+  // ApplyPart once the source is found and the range checked.
+  EventsResult ApplyRange(SourceSlot slot, const EventBatch& batch, size_t begin, size_t end);
   void DropSource(SourceSlot slot);
   void PredictBlocks(SourceSlot slot, std::span<const BlockHash> hashes, absl::Time now);
   void ExpirePredictions(Source& s, SourceSlot slot, absl::Time now);
