@@ -11,8 +11,9 @@
 // Speed: pass a whole request's blocks to one Put / Lookup / Get (one RPC each for all of
 // them). On one host the node's DRAM arena is mapped into this process and put/get are
 // copies by this thread, checksummed piece by piece while the bytes are in cache; a large
-// Put is cut into pieces of put_pipeline_bytes whose Reserve and Commit RPCs overlap the
-// copies of the next piece (the node verifies one piece while this thread copies the next);
+// Put is cut into pieces of put_pipeline_bytes, reserved 64 MiB at a time a group ahead
+// and committed one by one while the next piece is copied (the node verifies one piece
+// while this thread copies the next);
 // over TCP or RDMA two pieces are on the wire at a time. The client starts no gRPC
 // threads: the calling thread drives its RPCs (a callback thread of gRPC's own used to
 // take every answer off the socket and hand it over, several context switches per call).
