@@ -199,6 +199,34 @@ PathResult NodePath(Node& n, uint64_t objects, uint64_t round) {
 }
 
 
+// The Put calls' time by phase (PoolClient::put_phases), summed over a section's
+// NodePath calls and reported in seconds per GB put: where the node path's put loses
+// time against a copy (transfer_s_per_GB on shared memory is the copy and its XXH3).
+struct PutPhaseSum {
+  PutPhases sum;
+  double gb = 0;
+  void Add(const PutPhases& before, const PutPhases& after, double bytes) {
+    sum.calls += after.calls - before.calls;
+    sum.total_s += after.total_s - before.total_s;
+    sum.transfer_s += after.transfer_s - before.transfer_s;
+    sum.reserve_wait_s += after.reserve_wait_s - before.reserve_wait_s;
+    sum.rpc_send_s += after.rpc_send_s - before.rpc_send_s;
+    sum.final_wait_s += after.final_wait_s - before.final_wait_s;
+    gb += bytes / 1e9;
+  }
+  nlohmann::json Json() const {
+    auto per_gb = [&](double s) { return gb > 0 ? s / gb : 0.0; };
+    return {{"calls", sum.calls},
+            {"total_s_per_GB", per_gb(sum.total_s)},
+            {"transfer_s_per_GB", per_gb(sum.transfer_s)},
+            {"reserve_wait_s_per_GB", per_gb(sum.reserve_wait_s)},
+            {"rpc_send_s_per_GB", per_gb(sum.rpc_send_s)},
+            {"final_wait_s_per_GB", per_gb(sum.final_wait_s)},
+            {"other_s_per_GB", per_gb(sum.total_s - sum.transfer_s - sum.reserve_wait_s - sum.rpc_send_s -
+                                      sum.final_wait_s)}};
+  }
+};
+
 // memcpy of the same bytes between the two arenas, object by object, spread like NodePath.
 // `stream`: kvpool::StreamCopy (non-temporal stores, no read of the destination lines),
 // the copy the transport uses for large shared-memory batches; else glibc's memcpy.
@@ -501,8 +529,11 @@ int main(int argc, char** argv) {
     // Interleaved, so that both see the same machine load; best of kRounds each.
     double put = 0, get = 0, mc = 0, mx = 0, ms = 0;
     nlohmann::json rounds = nlohmann::json::array();
+    PutPhaseSum phases;
     for (int r = 0; r < kRounds; ++r) {
+      const PutPhases before = n.client->put_phases();
       const PathResult p = NodePath(n, mib, 1 + r);
+      phases.Add(before, n.client->put_phases(), static_cast<double>(mib * kObject));
       const double m = Memcpy(n, mib);
       const double x = MemcpyXxh3(n, mib);
       const double st = Memcpy(n, mib, /*stream=*/true);
@@ -534,6 +565,7 @@ int main(int argc, char** argv) {
                              "here. "
                              "put_cpus/get_cpus: CPUs the process kept busy; load1: uptime's 1-min load"},
                   {"ucx_transports", "UCX_TLS as set in the environment (default: all; sm/cma on one host)"}};
+    out["shm"]["put_phases"] = phases.Json();
     out["shm"]["breakdown"] = Breakdown(n, mib);
     out["lookup_128"] = LookupLatency(n, 2000);
     out["lookup_128"]["load1"] = LoadAverage();
@@ -610,10 +642,13 @@ int main(int argc, char** argv) {
     double put = 0, get = 0, am = 0, am_none = 0;
     std::vector<double> put_r, get_r, put_t, get_t;
     nlohmann::json rounds = nlohmann::json::array(), breakdown;
+    PutPhaseSum phases;
     for (int r = 0; r < kTcpRounds; ++r) {
       const int port = 13337 + getpid() % 1000 + 2 * r;
       double a = r % 2 ? UcxPerftestAmBw(port, true) : 0;
+      const PutPhases before = n.client->put_phases();
       const PathResult p = NodePath(n, objs, 10 + r);
+      phases.Add(before, n.client->put_phases(), static_cast<double>(objs * kObject));
       breakdown = Breakdown(n, objs);
       if (r % 2 == 0) a = UcxPerftestAmBw(port, true);
       const double tp = breakdown.value("transport_only_put_GBps", 0.0);
@@ -630,6 +665,7 @@ int main(int argc, char** argv) {
       if (r < 2) am_none = std::max(am_none, UcxPerftestAmBw(port + 1, false));
     }
     out["tcp_breakdown"] = breakdown;  // the last round's
+    out["tcp_put_phases"] = phases.Json();
     out["tcp"] = {{"objects", objs}, {"objects_per_call", kBatch}, {"put_GBps", put}, {"get_GBps", get},
                   {"ucx_perftest_am_bw_GBps", am}, {"ucx_perftest_baseline", "ucp_am_bw -s 1048576 -e"},
                   {"put_vs_perftest", am > 0 ? put / am : 0}, {"get_vs_perftest", am > 0 ? get / am : 0},

@@ -226,6 +226,12 @@ TEST_F(ServiceTest, PipelinedPutAcrossPiecesAndAsyncReleaseAreByteExact) {
   auto again = client->Put(items);
   ASSERT_TRUE(again.ok()) << again.status();
   for (const auto& s : *again) EXPECT_TRUE(s.ok()) << s;
+  // Both calls are in the phase timings, and the phases are parts of the calls' time.
+  const PutPhases ph = client->put_phases();
+  EXPECT_EQ(ph.calls, 2u);
+  EXPECT_GT(ph.transfer_s, 0.0);
+  EXPECT_GT(ph.rpc_send_s, 0.0);
+  EXPECT_LE(ph.transfer_s + ph.reserve_wait_s + ph.rpc_send_s + ph.final_wait_s, ph.total_s);
 
   std::vector<BlockHash> chain;
   for (size_t i = 0; i < lengths.size(); ++i) chain.push_back(H(500 + i));

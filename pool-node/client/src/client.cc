@@ -31,6 +31,9 @@ struct PoolClient::State {
   grpc::CompletionQueue release_cq;
   // Relaxed: only a count; the destructor runs after every other call has returned.
   std::atomic<int> releases_in_flight{0};
+  // PutPhases, in nanoseconds (relaxed: counters).
+  std::atomic<uint64_t> put_calls{0}, put_total_ns{0}, put_transfer_ns{0}, put_reserve_wait_ns{0},
+      put_rpc_send_ns{0}, put_final_wait_ns{0};
 };
 
 namespace {
@@ -124,6 +127,22 @@ void Drain(grpc::CompletionQueue& cq, size_t in_flight) {
 }
 
 constexpr size_t kMaxEntriesPerRpc = 4096;  // the node's limit per Reserve / Commit
+
+// Adds the time from its construction to its end to `sum` (nanoseconds).
+class PhaseTimer {
+ public:
+  explicit PhaseTimer(std::atomic<uint64_t>& sum) : sum_(sum), t0_(std::chrono::steady_clock::now()) {}
+  ~PhaseTimer() {
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0_);
+    sum_.fetch_add(static_cast<uint64_t>(ns.count()), std::memory_order_relaxed);
+  }
+  PhaseTimer(const PhaseTimer&) = delete;
+  PhaseTimer& operator=(const PhaseTimer&) = delete;
+
+ private:
+  std::atomic<uint64_t>& sum_;
+  const std::chrono::steady_clock::time_point t0_;
+};
 
 // Put reserves groups of pieces of about this many bytes in one Reserve each, one group
 // ahead of the copies, and commits piece by piece (partial Commits). With a Reserve per
@@ -273,6 +292,8 @@ absl::Status PoolClient::Get(const PoolLease& lease, std::span<const std::vector
 }
 
 absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutItem> items) {
+  s_->put_calls.fetch_add(1, std::memory_order_relaxed);
+  const PhaseTimer total_timer(s_->put_total_ns);
   // Pieces of about put_pipeline_bytes, the unit of transfer and Commit; groups of
   // pieces of about kReserveGroupBytes, the unit of Reserve. The next group's Reserve is
   // in flight while a group's pieces are copied, and the Commit of piece k (the node
@@ -319,6 +340,7 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
   std::vector<std::unique_ptr<CommitCall>> commits(pieces.size());
   std::vector<std::vector<int>> commit_index(pieces.size());
   auto start_reserve = [&](size_t g) {
+    const PhaseTimer t(s_->put_rpc_send_ns);
     auto c = std::make_unique<ReserveCall>();
     c->req.set_client_id(s_->opt.client_id);
     for (size_t i = pieces[groups[g].first].first; i < pieces[groups[g].second - 1].second; ++i) {
@@ -351,7 +373,10 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
   std::vector<PieceTransfer> tx(pieces.size());
   auto start_transfer = [&](size_t k) -> absl::Status {
     const size_t g = group_of[k];
-    WaitFor(cq, reserves[g]->finished);
+    {
+      const PhaseTimer t(s_->put_reserve_wait_ns);
+      WaitFor(cq, reserves[g]->finished);
+    }
     RETURN_IF_ERROR(FromGrpcStatus(reserves[g]->status));
     const v1::ReserveResponse& rresp = reserves[g]->resp;
     const size_t group_first = pieces[groups[g].first].first;
@@ -381,13 +406,18 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
     if (ops.empty()) return absl::OkStatus();
     auto p = std::make_shared<std::promise<absl::Status>>();
     std::future<absl::Status> f = p->get_future();
+    const PhaseTimer t(s_->put_transfer_ns);  // on shared memory: the copy
     RETURN_IF_ERROR(s_->ep->PutAsync(std::move(ops), [p](absl::Status st) { p->set_value(std::move(st)); },
                                      tx[k].digests->Observer()));
     tx[k].done = std::move(f);
     return absl::OkStatus();
   };
   auto commit = [&](size_t k) -> absl::Status {
-    if (tx[k].done.valid()) RETURN_IF_ERROR(tx[k].done.get());
+    if (tx[k].done.valid()) {
+      const PhaseTimer t(s_->put_transfer_ns);
+      RETURN_IF_ERROR(tx[k].done.get());
+    }
+    const PhaseTimer t(s_->put_rpc_send_ns);
     const size_t first = pieces[k].first, n = pieces[k].second - first;
     const size_t g = group_of[k];
     const bool partial = k + 1 != groups[g].second;  // the group's last Commit ends it
@@ -438,8 +468,11 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
   if (err.ok() && pending) err = commit(*pending);
   // Transfers still in flight feed digests that live in this frame (and write into
   // reserved pages: they end before any reservation does, below).
-  for (PieceTransfer& t : tx) {
-    if (t.done.valid()) t.done.wait();
+  {
+    const PhaseTimer t(s_->put_transfer_ns);
+    for (PieceTransfer& pt : tx) {
+      if (pt.done.valid()) pt.done.wait();
+    }
   }
   // On failure, groups reserved ahead (and the one that failed) did not get their final
   // Commit. An empty final Commit ends each at once (once its Commits in flight are
@@ -467,7 +500,10 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
   for (const auto& c : reserves) finished += c && c->finished;
   for (const auto& c : commits) finished += c && c->finished;
   for (const auto& c : aborts) finished += c->finished;
-  Drain(cq, started - finished);
+  {
+    const PhaseTimer t(s_->put_final_wait_ns);
+    Drain(cq, started - finished);
+  }
   std::vector<absl::Status> out(items.size());
   for (size_t k = 0; k < pieces.size(); ++k) {
     if (!commits[k]) continue;
@@ -490,6 +526,12 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
   }
   if (!err.ok()) return err;
   return out;
+}
+
+PutPhases PoolClient::put_phases() const {
+  auto sec = [](const std::atomic<uint64_t>& ns) { return static_cast<double>(ns.load(std::memory_order_relaxed)) * 1e-9; };
+  return {s_->put_calls.load(std::memory_order_relaxed), sec(s_->put_total_ns), sec(s_->put_transfer_ns),
+          sec(s_->put_reserve_wait_ns), sec(s_->put_rpc_send_ns), sec(s_->put_final_wait_ns)};
 }
 
 absl::Status PoolClient::Release(uint64_t lease_id) {

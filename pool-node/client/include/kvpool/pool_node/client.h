@@ -94,6 +94,17 @@ struct PutItem {
   uint64_t length = 0;                     // object bytes
 };
 
+// Where the calling threads spent their time in Put, summed over every Put since Connect
+// (seconds). transfer: starting each piece's transfer (on shared memory, the copy itself
+// and its checksums) and waiting for it to finish; reserve_wait: waiting for Reserve
+// answers; rpc_send: sending Reserves and Commits; final_wait: after the last Commit,
+// waiting for the node's answers (its verification of the last pieces). total includes
+// the rest (building requests, bookkeeping).
+struct PutPhases {
+  uint64_t calls = 0;
+  double total_s = 0, transfer_s = 0, reserve_wait_s = 0, rpc_send_s = 0, final_wait_s = 0;
+};
+
 class PoolClient {
  public:
   static absl::StatusOr<std::unique_ptr<PoolClient>> Connect(PoolClientOptions options);
@@ -116,6 +127,7 @@ class PoolClient {
   // the client waits for outstanding ones when destroyed.
   void ReleaseAsync(uint64_t lease_id);
   absl::StatusOr<v1::PoolStats> GetStats();
+  PutPhases put_phases() const;
 
   const std::string& node_id() const;
   uint64_t node_page_bytes() const;
