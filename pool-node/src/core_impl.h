@@ -67,6 +67,9 @@ struct ReservationState {
   uint32_t done = 0;        // Commits published
   uint32_t last = 0;        // from a final Commit: the reservation's Commits in all (0: none yet)
   std::vector<ReservedEntry> entries;
+  // Index of each entry by block hash (unique in a reservation): a Commit of a few
+  // entries of a large reservation claims them without scanning it under the lock.
+  absl::flat_hash_map<BlockHash, uint32_t> by_hash;
 };
 
 struct LeaseState {

@@ -280,6 +280,8 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
     out.slots.push_back(std::move(slot));
   }
   unpin();
+  rs.by_hash.reserve(rs.entries.size());
+  for (uint32_t j = 0; j < rs.entries.size(); ++j) rs.by_hash.emplace(rs.entries[j].spec.hash, j);
   im.reservations_.emplace(out.id, std::move(rs));
   return out;
 }
@@ -314,17 +316,15 @@ absl::StatusOr<std::vector<CommitOutcome>> PoolCore::Commit(uint64_t reservation
     if (!partial) rs.last = std::max<uint32_t>(commits, rs.claimed + 1);
     ++rs.claimed;
     for (size_t i = 0; i < entries.size(); ++i) {
-      for (size_t j = 0; j < rs.entries.size(); ++j) {
-        ReservedEntry& re = rs.entries[j];
-        if (re.spec.hash == entries[i].hash && !re.claimed) {
-          re.claimed = true;
-          claims[i].slot = static_cast<int>(j);
-          claims[i].verify = !re.already_present;
-          claims[i].pages = re.pages;
-          claims[i].length = re.spec.length;
-          break;
-        }
-      }
+      auto found = rs.by_hash.find(entries[i].hash);
+      if (found == rs.by_hash.end()) continue;
+      ReservedEntry& re = rs.entries[found->second];
+      if (re.claimed) continue;  // named twice
+      re.claimed = true;
+      claims[i].slot = static_cast<int>(found->second);
+      claims[i].verify = !re.already_present;
+      claims[i].pages = re.pages;
+      claims[i].length = re.spec.length;
     }
     ++rs.committing;
   }
