@@ -461,6 +461,7 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
     if (!err.ok()) break;
     if (ready(k)) {
       err = commit(k);
+      if (!err.ok()) break;  // a failed transfer: the next start_transfer would hide it
     } else {
       pending = k;
     }
