@@ -1,5 +1,6 @@
 // Context, RemoteArena wire form, Arena spans, ucs_status_t conversion.
 #include <sys/mman.h>
+#include <sys/shm.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -106,6 +107,8 @@ std::string Context::Describe() const {
 // rkey bytes; all little-endian (x86 / arm64 hosts).
 namespace {
 constexpr char kMagic[4] = {'K', 'V', 'A', '1'};
+// Version 2 appends the same-host export: i64 shm_id, u32 owner_pid, u16 len + shm_host.
+constexpr char kMagic2[4] = {'K', 'V', 'A', '2'};
 template <typename T>
 void Put(std::string& s, T v) {
   s.append(reinterpret_cast<const char*>(&v), sizeof(v));
@@ -120,18 +123,27 @@ bool Take(absl::string_view& s, T* v) {
 }  // namespace
 
 std::string RemoteArena::Serialize() const {
-  std::string s(kMagic, 4);
+  const bool shm = shm_id >= 0;
+  std::string s(shm ? kMagic2 : kMagic, 4);
   Put(s, arena_id);
   Put(s, base);
   Put(s, size);
   Put(s, page_bytes);
   Put(s, static_cast<uint32_t>(rkey.size()));
   s += rkey;
+  if (shm) {
+    Put(s, shm_id);
+    Put(s, owner_pid);
+    const std::string host = shm_host.substr(0, UINT16_MAX);
+    Put(s, static_cast<uint16_t>(host.size()));
+    s += host;
+  }
   return s;
 }
 
 absl::StatusOr<RemoteArena> RemoteArena::Parse(absl::string_view bytes) {
-  if (bytes.size() < 4 || std::memcmp(bytes.data(), kMagic, 4) != 0) {
+  const bool v2 = bytes.size() >= 4 && std::memcmp(bytes.data(), kMagic2, 4) == 0;
+  if (bytes.size() < 4 || (!v2 && std::memcmp(bytes.data(), kMagic, 4) != 0)) {
     return absl::InvalidArgumentError(
         "arena descriptor: bad magic; pass the bytes of RemoteArena::Serialize() unchanged");
   }
@@ -139,15 +151,27 @@ absl::StatusOr<RemoteArena> RemoteArena::Parse(absl::string_view bytes) {
   RemoteArena r;
   uint32_t rkey_len = 0;
   if (!Take(bytes, &r.arena_id) || !Take(bytes, &r.base) || !Take(bytes, &r.size) ||
-      !Take(bytes, &r.page_bytes) || !Take(bytes, &rkey_len) || bytes.size() != rkey_len) {
+      !Take(bytes, &r.page_bytes) || !Take(bytes, &rkey_len) || bytes.size() < rkey_len) {
     return absl::InvalidArgumentError("arena descriptor: truncated or trailing bytes");
   }
+  absl::string_view rkey = bytes.substr(0, rkey_len);
+  bytes.remove_prefix(rkey_len);
+  if (v2) {
+    uint16_t host_len = 0;
+    if (!Take(bytes, &r.shm_id) || !Take(bytes, &r.owner_pid) || !Take(bytes, &host_len) ||
+        bytes.size() < host_len) {
+      return absl::InvalidArgumentError("arena descriptor: truncated or trailing bytes");
+    }
+    r.shm_host = std::string(bytes.substr(0, host_len));
+    bytes.remove_prefix(host_len);
+  }
+  if (!bytes.empty()) return absl::InvalidArgumentError("arena descriptor: truncated or trailing bytes");
   if (r.page_bytes == 0 || r.size == 0 || r.size % r.page_bytes != 0 || rkey_len == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "arena descriptor: size=", r.size, " page_bytes=", r.page_bytes, " rkey=", rkey_len,
         " bytes; size must be a positive multiple of page_bytes and the rkey non-empty"));
   }
-  r.rkey = std::string(bytes);
+  r.rkey = std::string(rkey);
   return r;
 }
 
@@ -156,7 +180,11 @@ Arena::~Arena() {
   if (memh_ != nullptr) {
     ucp_mem_unmap(static_cast<ucp_context_h>(context_->raw()), static_cast<ucp_mem_h>(memh_));
   }
-  if (owns_memory_) munmap(base_, size_);
+  if (shm_id_ >= 0) {
+    shmdt(base_);  // the segment goes with its last mapping (marked IPC_RMID at creation)
+  } else if (owns_memory_) {
+    munmap(base_, size_);
+  }
 }
 
 absl::StatusOr<std::vector<std::span<std::byte>>> Arena::Spans(const PageRun& run) const {

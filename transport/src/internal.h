@@ -88,9 +88,17 @@ struct OwnerOp;
 // rkey, and the rkey lives as long as any batch (hence any UCX request) still uses it.
 // The last reference is dropped under WorkerImpl::ucx_mu_ only (see WorkerImpl::retired_
 // and SweepRkeys): ucp_rkey_destroy is a call on the worker.
+// Same-host arenas (AllocateArena): a SysV segment mapped at a 2 MiB boundary, so that
+// the kernel can map it with 2 MiB pages (see MakeHugeMapped). Null on failure.
+std::byte* AttachShared(int shm_id, uint64_t size);
+void DetachShared(std::byte* p);
+
 struct RemoteKey {
   explicit RemoteKey(RemoteArena d) : desc(std::move(d)) {}
-  ~RemoteKey() { Destroy(); }
+  ~RemoteKey() {
+    Destroy();
+    if (mapped != nullptr) DetachShared(mapped);
+  }
   RemoteKey(const RemoteKey&) = delete;
   RemoteKey& operator=(const RemoteKey&) = delete;
   void Destroy() {  // under ucx_mu_, before the worker is destroyed
@@ -99,6 +107,9 @@ struct RemoteKey {
   }
   const RemoteArena desc;     // immutable
   ucp_rkey_h rkey = nullptr;  // under the worker's ucx_mu_ (unpacked at import or first use)
+  // The owner's SysV segment (desc.shm_id) mapped here by this worker, or null (then a
+  // same-host copy goes through UCX's own mapping, ucp_rkey_ptr). Set with the rkey.
+  std::byte* mapped = nullptr;
 };
 
 // A batch in flight. Owned by WorkerImpl::batches_; touched only on the progress thread.

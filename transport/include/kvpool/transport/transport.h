@@ -123,6 +123,13 @@ struct RemoteArena {
   uint64_t size = 0;       // bytes, a multiple of page_bytes
   uint64_t page_bytes = 0;
   std::string rkey;        // ucp_rkey_pack output, opaque
+  // Same-host export (AllocateArena): the SysV shared-memory segment holding the arena,
+  // the owner's pid and the host + IPC namespace it belongs to. A peer on the same host
+  // maps the segment itself at a 2 MiB boundary (huge-page mapped, see AllocateArena);
+  // shm_id -1: none (registered memory, or the UCX-allocated fallback).
+  int64_t shm_id = -1;
+  uint32_t owner_pid = 0;
+  std::string shm_host;
 
   uint64_t num_pages() const { return page_bytes == 0 ? 0 : size / page_bytes; }
   // Versioned little-endian wire form.
@@ -205,6 +212,7 @@ class Arena {
   std::shared_ptr<Context> context_;  // outlives the registration
   void* memh_ = nullptr;              // ucp_mem_h
   bool owns_memory_ = false; // AllocateArena: munmap on destruction
+  int shm_id_ = -1;           // AllocateArena's own SysV segment: shmdt on destruction
 };
 
 // ---------------------------------------------------------------------------------------
