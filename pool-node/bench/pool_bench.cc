@@ -16,7 +16,7 @@
 // the best of each is kept (every round is printed).
 //
 // Usage: pool_bench [--json] [--dir /tmp] [--mib 512] [--skip-shm] [--skip-tcp] [--skip-fio]
-//                   [--put-pipeline-mib 8] [--no-stream-copy] [--lookup-only [--node host:port]]
+//                   [--put-pipeline-mib 8] [--stream-copy] [--lookup-only [--node host:port]]
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -100,7 +100,7 @@ struct Node {
 
 uint64_t g_put_pipeline_bytes = PoolClientOptions{}.put_pipeline_bytes;
 std::string g_node_address;  // --node: an external kvpool-node (Lookup latency only)
-bool g_stream_copy = true;    // --no-stream-copy: the client's transport copies with memcpy
+bool g_stream_copy = false;   // --stream-copy: the client's transport streams batches >= 4 MiB
 
 Node StartNode(uint64_t dram, const std::string& nvme_dir, uint64_t nvme, uint64_t client_bytes) {
   Node n;
@@ -122,7 +122,7 @@ Node StartNode(uint64_t dram, const std::string& nvme_dir, uint64_t nvme, uint64
   }
   auto ctx = transport::Context::Create();
   transport::WorkerOptions wo;
-  if (!g_stream_copy) wo.stream_copy_min_bytes = UINT64_MAX;
+  if (g_stream_copy) wo.stream_copy_min_bytes = 4 << 20;
   auto w = transport::Worker::Create(*ctx, wo);
   n.worker = std::move(*w);
   n.arena = *n.worker->AllocateArena(client_bytes, kPage);
@@ -501,14 +501,13 @@ int main(int argc, char** argv) {
   app.add_flag("--skip-fio", skip_fio, "skip the NVMe comparison");
   app.add_option("--node", g_node_address, "external kvpool-node host:port (with --lookup-only)");
   app.add_flag("--lookup-only", lookup_only, "only the Lookup latency section (e.g. under perf)");
-  bool no_stream = false;
-  app.add_flag("--no-stream-copy", no_stream,
-               "client transport copies with memcpy, not streaming stores (A/B; WorkerOptions::stream_copy_min_bytes)");
+  app.add_flag("--stream-copy", g_stream_copy,
+               "client transport copies batches >= 4 MiB with streaming stores (A/B; "
+               "WorkerOptions::stream_copy_min_bytes; default: memcpy)");
   uint64_t pipeline_mib = g_put_pipeline_bytes >> 20;
   app.add_option("--put-pipeline-mib", pipeline_mib, "PoolClientOptions::put_pipeline_bytes, MiB");
   CLI11_PARSE(app, argc, argv);
   g_put_pipeline_bytes = pipeline_mib << 20;
-  g_stream_copy = !no_stream;
   if (!g_node_address.empty() && !lookup_only) {
     std::cerr << "--node measures only Lookup latency; add --lookup-only\n";
     return 2;

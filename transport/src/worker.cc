@@ -542,8 +542,13 @@ absl::StatusOr<std::shared_ptr<Arena>> WorkerImpl::Register(std::byte* base, uin
   if (base != nullptr && shm_id >= 0) {
     arena->base_ = base;
     arena->shm_id_ = shm_id;
-    Populate(base, size, /*fresh=*/true);
+    // One page per 2 MiB first: collapsing those copies a page per huge page, where a
+    // collapse of the whole populated range copies every byte (1 GiB: 0.08-0.1 s
+    // against 0.4-4 s here). Then the rest is mapped (2 MiB at a time where collapsed).
+    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+    for (uint64_t off = 0; off < size; off += kHugePage) Populate(base + off, std::min(page, size - off), true);
     MakeHugeMapped(base, size);
+    Populate(base, size, /*fresh=*/true);
     mp.field_mask |= UCP_MEM_MAP_PARAM_FIELD_ADDRESS;
     mp.address = base;
     absl::Status st = FromUcs(ucp_mem_map(ctx, &mp, &memh), "ucp_mem_map (arena registration)");

@@ -226,9 +226,11 @@ struct WorkerOptions {
   // epoll. 0: no polling, always sleep between events.
   absl::Duration spin = absl::Microseconds(200);
   // Shared-memory batches of at least this many bytes are copied with streaming
-  // (non-temporal) stores: faster into memory beyond the caches, slower into cached
-  // memory (kvpool/common/stream_copy.h). 0: always; UINT64_MAX: never.
-  uint64_t stream_copy_min_bytes = 4 << 20;
+  // (non-temporal) stores (kvpool/common/stream_copy.h). 0: always; UINT64_MAX: never,
+  // the default: since arenas are mapped with 2 MiB pages, glibc's memcpy was as fast or
+  // faster here, and a streamed get copies twice (through a cache-resident bounce piece
+  // for its observer). Try 4 MiB where stores into memory beyond the caches are slow.
+  uint64_t stream_copy_min_bytes = UINT64_MAX;
 };
 
 struct WorkerStats {
