@@ -569,6 +569,45 @@ TEST_F(ServiceTest, PipelinedPutAndGetOverActiveMessagesAreByteExactAndChecked) 
   EXPECT_TRUE((*client)->Release(lease->lease_id).ok());
 }
 
+// On shared memory a large Get is copied and checksummed by two threads (the caller and a
+// helper, half the objects each): byte-exact, and a changed byte is found in either half,
+// naming its object.
+TEST_F(ServiceTest, GetByTwoThreadsIsByteExactAndChecksBothHalves) {
+  PoolClientOptions o;
+  o.node_address = address_;
+  o.client_id = "two-threads";
+  o.worker = worker_.get();
+  o.local_arena = arena_;
+  o.get_two_threads_min_bytes = 1;  // every Get of two objects or more
+  auto client = PoolClient::Connect(o);
+  ASSERT_TRUE(client.ok()) << client.status();
+  const std::vector<uint64_t> lengths = {65'536, 1, 150'001, 99'999, 131'072, 7, 200'000, 40'000};
+  const std::vector<PutItem> items = StageChain(900, 900, lengths);
+  std::vector<BlockHash> chain;
+  for (const PutItem& it : items) chain.push_back(it.hash);
+  auto put = (*client)->Put(items);
+  ASSERT_TRUE(put.ok()) << put.status();
+  auto lease = (*client)->Lookup(chain);
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  ASSERT_EQ(lease->prefix_blocks, lengths.size());
+  const std::vector<std::vector<uint64_t>> dst = Destinations(*lease, 128);
+  absl::Status got = (*client)->Get(*lease, dst);
+  ASSERT_TRUE(got.ok()) << got;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    EXPECT_TRUE(LocalBytes(dst[i], lengths[i]) == Pattern(900 + i, lengths[i])) << "item " << i;
+  }
+  for (const size_t bad : {size_t{2}, size_t{6}}) {  // the helper's half, then the caller's
+    std::byte& b = node_->core().arena_base()[uint64_t{lease->objects[bad].pages[0]} * kNodePage + 5];
+    b ^= std::byte{1};
+    got = (*client)->Get(*lease, dst);
+    EXPECT_EQ(got.code(), absl::StatusCode::kDataLoss) << got;
+    EXPECT_THAT(std::string(got.message()), ::testing::HasSubstr(absl::StrCat("object ", bad, " ")));
+    b ^= std::byte{1};
+  }
+  EXPECT_TRUE((*client)->Get(*lease, dst).ok());
+  EXPECT_TRUE((*client)->Release(lease->lease_id).ok());
+}
+
 // What a pipelined Put does on the wire: the next piece is reserved before the previous
 // one is committed. A piece whose bytes do not match its checksum is refused (DATA_LOSS)
 // and its pages freed, while the piece committed before it stays stored and visible.

@@ -125,14 +125,24 @@ absl::Status WorkerImpl::Submit(const std::shared_ptr<EndpointImpl>& ep, Directi
     }
   }
   std::vector<std::pair<BatchCallback, absl::Status>> ready;
+  bool mapped = false;
   {
     CallerLock l(this);
     if (closed_) return absl::UnavailableError("transport worker is shut down");
-    const uint64_t id = next_batch_;
-    StartBatch(std::move(b));
-    // The progress thread may be asleep in epoll: wake it for what is left.
-    if (batches_.contains(id)) ucp_worker_signal(worker_);
+    mapped = MapSegments(*b);
+    if (!mapped) {
+      const uint64_t id = next_batch_;
+      StartBatch(std::move(b));
+      // The progress thread may be asleep in epoll: wake it for what is left.
+      if (batches_.contains(id)) ucp_worker_signal(worker_);
+    }
     ready.swap(ready_);  // what finished (this batch, inline on shared memory), run below
+  }
+  if (mapped) {
+    // Every byte is mapped here: a memcpy on this thread, outside the lock. The batch
+    // holds the arenas and imports (and so the mappings) until it is destroyed here.
+    absl::Status st = RunMapped(*b);
+    if (b->done) b->done(std::move(st));
   }
   for (auto& [fn, status] : ready) fn(std::move(status));
   return absl::OkStatus();

@@ -74,6 +74,7 @@ struct Segment {
   uint32_t op = 0;        // index of the TransferOp (pieces merge across ops only
                           // when nobody observes the bytes)
   bool observed = false;  // ByteObserver already saw it (copied one-sided)
+  std::byte* remote_mapped = nullptr;  // the remote bytes mapped here (MapSegments)
 };
 
 enum class Direction : uint8_t { kPut, kGet };
@@ -264,6 +265,15 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   void StartBatch(std::unique_ptr<Batch> b);
   void Track(Batch& b, ucs_status_ptr_t r, absl::string_view what);
   void StartRma(Batch& b);
+  // Shared-memory batches whose every segment is mapped here (same-host arenas): set
+  // each Segment::remote_mapped (under ucx_mu_; false if any is not mapped), then
+  // RunMapped copies them on the calling thread without the lock, so callers on several
+  // threads copy at once.
+  bool MapSegments(Batch& b);
+  absl::Status RunMapped(Batch& b);
+  // OK, or UNAVAILABLE (and the endpoint marked broken) if the same-host peer exited.
+  absl::Status CheckPeerAlive(Batch& b);
+  static void CopyMapped(const Batch& b, Segment& s, std::byte* rp, bool stream);
   void StartAm(Batch& b);
   void Finish(Batch& b, absl::Status s);
   void Deliver(Batch& b);

@@ -859,6 +859,94 @@ void WorkerImpl::Track(Batch& b, ucs_status_ptr_t r, absl::string_view what) {
   ++b.outstanding;
 }
 
+void WorkerImpl::CopyMapped(const Batch& b, Segment& s, std::byte* rp, bool stream) {
+  auto copy = [stream](std::byte* dst, const std::byte* src, uint64_t n) {
+    if (stream) {
+      StreamCopy(dst, src, n);
+    } else {
+      std::memcpy(dst, src, n);
+    }
+  };
+  if (!b.observe) {
+    if (b.dir == Direction::kPut) {
+      copy(rp, s.local, s.len);
+    } else {
+      copy(s.local, rp, s.len);
+    }
+    return;
+  }
+  // Copy in cache-sized pieces and show each to the observer while it is hot: a put's
+  // source (just read); a get's bytes as they land, which streaming stores do not leave
+  // in cache, so a streamed get goes through a cache-resident bounce piece (observed
+  // bytes are exactly the stored ones even if the owner's change meanwhile).
+  alignas(64) thread_local std::byte bounce[kObservePiece];
+  for (uint64_t off = 0; off < s.len; off += kObservePiece) {
+    const uint64_t n = std::min(kObservePiece, s.len - off);
+    if (b.dir == Direction::kPut) {
+      copy(rp + off, s.local + off, n);
+      b.observe(s.op, std::span<const std::byte>(s.local + off, n));
+    } else if (stream) {
+      std::memcpy(bounce, rp + off, n);
+      b.observe(s.op, std::span<const std::byte>(bounce, n));
+      StreamCopy(s.local + off, bounce, n);
+    } else {
+      std::memcpy(s.local + off, rp + off, n);
+      b.observe(s.op, std::span<const std::byte>(s.local + off, n));
+    }
+  }
+  s.observed = true;
+}
+
+bool WorkerImpl::MapSegments(Batch& b) {
+  if (b.ep->protocol_ != Protocol::kRma || b.ep->ep_ == nullptr || !b.ep->health().ok()) return false;
+  RemoteKey* key = nullptr;
+  ucp_rkey_h rkey = nullptr;
+  for (Segment& s : b.segs) {
+    if (key == nullptr || key->desc.arena_id != s.remote_arena) {
+      key = nullptr;
+      for (const auto& k : b.remote) {
+        if (k->desc.arena_id == s.remote_arena) key = k.get();
+      }
+      rkey = key != nullptr ? RkeyFor(*b.ep, *key) : nullptr;
+      if (rkey == nullptr) return false;
+    }
+    void* mapped = nullptr;
+    if (key->mapped != nullptr) {
+      mapped = key->mapped + s.remote_offset;
+    } else if (ucp_rkey_ptr(rkey, key->desc.base + s.remote_offset, &mapped) != UCS_OK) {
+      mapped = nullptr;
+    }
+    if (mapped == nullptr) return false;
+    s.remote_mapped = static_cast<std::byte*>(mapped);
+  }
+  return true;
+}
+
+absl::Status WorkerImpl::CheckPeerAlive(Batch& b) {
+  if (!b.ep->PeerProcessGone()) return absl::OkStatus();
+  // One-sided shared memory outlives its owner: the bytes moved, but to or from an arena
+  // nobody serves any more.
+  absl::Status s = absl::UnavailableError(
+      absl::StrCat("peer process ", b.ep->peer_pid_, " exited; reconnect to a live peer"));
+  b.ep->SetHealth(s);
+  return s;
+}
+
+absl::Status WorkerImpl::RunMapped(Batch& b) {
+  const bool stream = b.bytes >= options_.stream_copy_min_bytes;
+  for (Segment& s : b.segs) CopyMapped(b, s, s.remote_mapped, stream);
+  if (stream) StreamFence();
+  absl::Status st = CheckPeerAlive(b);
+  absl::MutexLock l(&mu_);
+  if (st.ok()) {
+    ++stats_.batches_ok;
+    (b.dir == Direction::kPut ? stats_.bytes_put : stats_.bytes_get) += b.bytes;
+  } else {
+    ++stats_.batches_failed;
+  }
+  return st;
+}
+
 void WorkerImpl::StartRma(Batch& b) {
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
@@ -876,13 +964,6 @@ void WorkerImpl::StartRma(Batch& b) {
   // batches keep memcpy, which is faster into cache-resident memory.
   const bool stream = b.bytes >= options_.stream_copy_min_bytes;
   bool streamed = false;
-  auto copy = [stream](std::byte* dst, const std::byte* src, uint64_t n) {
-    if (stream) {
-      StreamCopy(dst, src, n);
-    } else {
-      std::memcpy(dst, src, n);
-    }
-  };
   for (Segment& s : b.segs) {
     if (rkey == nullptr || s.remote_arena != cached_id) {
       // The import the segments were validated against (Submit), not the endpoint's
@@ -910,35 +991,8 @@ void WorkerImpl::StartRma(Batch& b) {
     void* mapped = rmapped != nullptr ? rmapped + s.remote_offset : nullptr;
     if (mapped != nullptr ||
         (ucp_rkey_ptr(rkey, raddr, &mapped) == UCS_OK && mapped != nullptr)) {
-      auto* rp = static_cast<std::byte*>(mapped);
       streamed |= stream;
-      if (!b.observe) {
-        if (b.dir == Direction::kPut) {
-          copy(rp, s.local, s.len);
-        } else {
-          copy(s.local, rp, s.len);
-        }
-        continue;
-      }
-      // Copy in cache-sized pieces and show each to the observer while it is hot: a put's
-      // source (just read); a get's bytes as they land, which streaming stores do not
-      // leave in cache, so a streamed get goes through a cache-resident bounce piece
-      // (observed bytes are exactly the stored ones even if the owner's change meanwhile).
-      alignas(64) thread_local std::byte bounce[kObservePiece];
-      for (uint64_t off = 0; off < s.len; off += kObservePiece) {
-        const uint64_t n = std::min(kObservePiece, s.len - off);
-        if (b.dir == Direction::kPut) {
-          copy(rp + off, s.local + off, n);
-          b.observe(s.op, std::span<const std::byte>(s.local + off, n));
-        } else if (stream) {
-          std::memcpy(bounce, rp + off, n);
-          b.observe(s.op, std::span<const std::byte>(bounce, n));
-          StreamCopy(s.local + off, bounce, n);
-        } else {
-          std::memcpy(s.local + off, rp + off, n);
-          b.observe(s.op, std::span<const std::byte>(s.local + off, n));
-        }
-      }
+      CopyMapped(b, s, static_cast<std::byte*>(mapped), stream);
       s.observed = true;
       continue;
     }
@@ -1044,13 +1098,7 @@ void WorkerImpl::OnOpDone(Batch* b, ucs_status_t status) {
 
 void WorkerImpl::Finish(Batch& b, absl::Status s) {
   if (b.finished) return;
-  if (s.ok() && b.ep->PeerProcessGone()) {
-    // One-sided shared memory outlives its owner: the bytes moved, but to or from an
-    // arena nobody serves any more.
-    s = absl::UnavailableError(absl::StrCat("peer process ", b.ep->peer_pid_,
-                                            " exited; reconnect to a live peer"));
-    b.ep->SetHealth(s);
-  }
+  if (s.ok()) s = CheckPeerAlive(b);
   b.finished = true;
   b.status = s;
   {

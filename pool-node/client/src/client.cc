@@ -60,9 +60,10 @@ class Digests {
   }
   Digests(const Digests&) = delete;
   Digests& operator=(const Digests&) = delete;
-  transport::ByteObserver Observer() {
-    return [this](size_t op, std::span<const std::byte> bytes) {
-      XXH3_64bits_update_dispatch(states_[op], bytes.data(), bytes.size());
+  // Op i of the batch it observes is digest first + i.
+  transport::ByteObserver Observer(size_t first = 0) {
+    return [this, first](size_t op, std::span<const std::byte> bytes) {
+      XXH3_64bits_update_dispatch(states_[first + op], bytes.data(), bytes.size());
     };
   }
   uint64_t Value(size_t i) const { return XXH3_64bits_digest(states_[i]); }
@@ -80,6 +81,22 @@ absl::Status Transfer(transport::Endpoint& ep, bool put, std::vector<transport::
   RETURN_IF_ERROR(put ? ep.PutAsync(std::move(ops), std::move(done), std::move(observe))
                       : ep.GetAsync(std::move(ops), std::move(done), std::move(observe)));
   return f.get();
+}
+
+// The same, as two batches at once: the first half of the ops from a helper thread
+// started for the call, the rest from this one. On shared memory each batch is a copy
+// (and checksum) by the thread that submits it, so the two run on two cores.
+absl::Status TransferTwoWays(transport::Endpoint& ep, bool put, std::vector<transport::TransferOp> ops,
+                             Digests& digests) {
+  const size_t half = ops.size() / 2;
+  if (half == 0) return Transfer(ep, put, std::move(ops), digests.Observer());
+  std::vector<transport::TransferOp> first(std::make_move_iterator(ops.begin()),
+                                           std::make_move_iterator(ops.begin() + half));
+  ops.erase(ops.begin(), ops.begin() + half);
+  auto helper = std::async(std::launch::async, [&] { return Transfer(ep, put, std::move(first), digests.Observer()); });
+  absl::Status b = Transfer(ep, put, std::move(ops), digests.Observer(half));
+  absl::Status a = helper.get();
+  return a.ok() ? b : a;
 }
 
 // A unary RPC in flight on a CompletionQueue driven by the calling thread; its tag is
@@ -269,8 +286,10 @@ absl::Status PoolClient::Get(const PoolLease& lease, std::span<const std::vector
   }
   std::vector<transport::TransferOp> ops;
   ops.reserve(dst.size());
+  uint64_t bytes = 0;
   for (size_t i = 0; i < dst.size(); ++i) {
     const RemoteObject& o = lease.objects[i];
+    bytes += o.length;
     transport::TransferOp op;
     op.local = transport::PageRun{s_->opt.local_arena->id(), dst[i], o.length};
     op.remote.arena_id = s_->remote.arena_id;
@@ -279,7 +298,14 @@ absl::Status PoolClient::Get(const PoolLease& lease, std::span<const std::vector
     ops.push_back(std::move(op));
   }
   Digests digests(dst.size());
-  RETURN_IF_ERROR(Transfer(*s_->ep, /*put=*/false, std::move(ops), digests.Observer()));
+  // One-sided (shared memory: copies by the submitting thread): two threads copy and
+  // checksum at once. A Put keeps one: there the node's verification of each piece runs
+  // on the other core meanwhile (tried: 2 threads lowered put from 0.47-0.48 to
+  // 0.42-0.47 of memcpy while get rose from 0.58-0.66 to 1.03-1.13, 2 pairs).
+  const bool two = s_->ep->protocol() == transport::Protocol::kRma &&
+                   bytes >= s_->opt.get_two_threads_min_bytes;
+  RETURN_IF_ERROR(two ? TransferTwoWays(*s_->ep, /*put=*/false, std::move(ops), digests)
+                      : Transfer(*s_->ep, /*put=*/false, std::move(ops), digests.Observer()));
   for (size_t i = 0; i < dst.size(); ++i) {
     const RemoteObject& o = lease.objects[i];
     if (digests.Value(i) != o.checksum) {

@@ -164,9 +164,11 @@ using BatchCallback = std::function<void(absl::Status)>;
 // in cache: right after each piece is copied (one-sided shared memory), else once the
 // batch has completed, just before `done`. Lets a caller checksum what it moved without
 // a second pass over DRAM. Called on one thread at a time per batch: on the one-sided
-// copy path inside PutAsync/GetAsync on the submitting thread, with the worker's lock
-// held (so it must not call into the transport; keep it to reading the bytes), else on
-// the thread that runs `done`, right before it. If the batch fails, `done` gets the
+// copy path inside PutAsync/GetAsync on the submitting thread (a batch whose every byte
+// is mapped here is copied without the worker's lock, so batches submitted from several
+// threads copy at once; one partly moved by UCX holds it), else on the thread that runs
+// `done`, right before it. It must not call into the transport; keep it to reading the
+// bytes. If the batch fails, `done` gets the
 // error and what was observed means nothing.
 using ByteObserver = std::function<void(size_t op, std::span<const std::byte> bytes)>;
 
