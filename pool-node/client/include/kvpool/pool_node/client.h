@@ -10,7 +10,8 @@
 //
 // Speed: pass a whole request's blocks to one Put / Lookup / Get (one RPC each for all of
 // them). On one host the node's DRAM arena is mapped into this process and put/get are
-// copies by this thread, checksummed piece by piece while the bytes are in cache; a large
+// copies by this thread (a Get of >= get_two_threads_min_bytes: by this thread and a
+// helper, half each), checksummed piece by piece while the bytes are in cache; a large
 // Put is cut into pieces of put_pipeline_bytes, reserved 64 MiB at a time a group ahead
 // and committed one by one while the next piece is copied (the node verifies one piece
 // while this thread copies the next);
