@@ -121,8 +121,8 @@ constexpr uint64_t kHugePage = 2 << 20;
 // memory, as on this project's VMs); on pages another process already collapsed it only
 // maps them 2 MiB at a time. Best effort: older kernels and a lack of free huge pages
 // leave 4 KiB pages. Why it matters: copies between scattered pages of a large arena
-// mapped with 4 KiB pages ran at ~1 GB/s on a KVM guest, against 10-14 GB/s with 2 MiB
-// pages (TLB misses; measured with 64 KiB copies at random places in 1 GiB).
+// mapped with 4 KiB pages ran at ~1 GB/s on this project's current VM, against 10-14
+// GB/s with 2 MiB pages (TLB misses; 64 KiB copies at random places in 1 GiB).
 void MakeHugeMapped(std::byte* p, uint64_t len) {
   const uintptr_t b = (reinterpret_cast<uintptr_t>(p) + kHugePage - 1) & ~(kHugePage - 1);
   const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + len) & ~(kHugePage - 1);
