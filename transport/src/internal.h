@@ -125,6 +125,12 @@ struct Batch {
   std::vector<Segment> segs;
   // The imports the segments were validated against (by arena id; usually one).
   std::vector<std::shared_ptr<RemoteKey>> remote;
+  RemoteKey* Import(uint32_t arena_id) const {
+    for (const auto& k : remote) {
+      if (k->desc.arena_id == arena_id) return k.get();
+    }
+    return nullptr;
+  }
   uint64_t bytes = 0;
   absl::Time deadline;
   // Operations (UCX requests + expected AM replies) not yet completed. The batch is

@@ -903,10 +903,7 @@ bool WorkerImpl::MapSegments(Batch& b) {
   ucp_rkey_h rkey = nullptr;
   for (Segment& s : b.segs) {
     if (key == nullptr || key->desc.arena_id != s.remote_arena) {
-      key = nullptr;
-      for (const auto& k : b.remote) {
-        if (k->desc.arena_id == s.remote_arena) key = k.get();
-      }
+      key = b.Import(s.remote_arena);
       rkey = key != nullptr ? RkeyFor(*b.ep, *key) : nullptr;
       if (rkey == nullptr) return false;
     }
@@ -968,10 +965,7 @@ void WorkerImpl::StartRma(Batch& b) {
     if (rkey == nullptr || s.remote_arena != cached_id) {
       // The import the segments were validated against (Submit), not the endpoint's
       // current one: a re-import since must not pair these offsets with another base.
-      RemoteKey* key = nullptr;
-      for (const auto& k : b.remote) {
-        if (k->desc.arena_id == s.remote_arena) key = k.get();
-      }
+      RemoteKey* key = b.Import(s.remote_arena);
       rkey = key != nullptr ? RkeyFor(*b.ep, *key) : nullptr;
       rbase = key != nullptr ? key->desc.base : 0;
       rmapped = key != nullptr ? key->mapped : nullptr;
