@@ -279,6 +279,8 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   absl::Status RunMapped(Batch& b);
   // OK, or UNAVAILABLE (and the endpoint marked broken) if the same-host peer exited.
   absl::Status CheckPeerAlive(Batch& b);
+  // A finished batch in stats_ (ok: batches and bytes; else batches_failed).
+  void CountFinished(const Batch& b, const absl::Status& s);
   static void CopyMapped(const Batch& b, Segment& s, std::byte* rp, bool stream);
   void StartAm(Batch& b);
   void Finish(Batch& b, absl::Status s);

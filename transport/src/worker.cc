@@ -934,14 +934,18 @@ absl::Status WorkerImpl::RunMapped(Batch& b) {
   for (Segment& s : b.segs) CopyMapped(b, s, s.remote_mapped, stream);
   if (stream) StreamFence();
   absl::Status st = CheckPeerAlive(b);
+  CountFinished(b, st);
+  return st;
+}
+
+void WorkerImpl::CountFinished(const Batch& b, const absl::Status& s) {
   absl::MutexLock l(&mu_);
-  if (st.ok()) {
+  if (s.ok()) {
     ++stats_.batches_ok;
     (b.dir == Direction::kPut ? stats_.bytes_put : stats_.bytes_get) += b.bytes;
   } else {
     ++stats_.batches_failed;
   }
-  return st;
 }
 
 void WorkerImpl::StartRma(Batch& b) {
@@ -1095,15 +1099,7 @@ void WorkerImpl::Finish(Batch& b, absl::Status s) {
   if (s.ok()) s = CheckPeerAlive(b);
   b.finished = true;
   b.status = s;
-  {
-    absl::MutexLock l(&mu_);
-    if (s.ok()) {
-      ++stats_.batches_ok;
-      (b.dir == Direction::kPut ? stats_.bytes_put : stats_.bytes_get) += b.bytes;
-    } else {
-      ++stats_.batches_failed;
-    }
-  }
+  CountFinished(b, s);
   if (s.ok() && b.observe && b.done) {
     // Bytes that UCX moved (not copied here): shown to the observer just before `done`,
     // outside the lock. For a get they have landed; for a put they are the source.
