@@ -21,6 +21,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -597,6 +598,19 @@ class CudaBackend final : public KernelBackend {
   //              large batches). 512-token splits instead of 1024 measured worse on
   //              the large shapes (0.64-0.75) for little gain on the small ones.
   absl::Status DecodeMma(mma::Args m, int batch, DType dtype, int dk, int dv, int num_kv_heads, float* out) {
+    // Packed heads: kv heads of dk = 64 that are adjacent in a slot (GqaPagedKv's
+    // layout) and serve at most 16 q heads in all are read as one head of 128, in one
+    // CTA: 256-byte rows per token instead of two 128-byte ones (see mma::Args).
+    const int out_dv = dv;
+    if (dk != 576 && num_kv_heads > 1 && num_kv_heads * dk == 128 && dk == dv && m.k_head == dk &&
+        m.v_head == dv && m.num_q_heads <= mma::kRows && PackHeads()) {
+      m.pack_dh = dk;
+      m.pack_group = m.group;
+      m.group = m.num_q_heads;
+      m.head_tiles = 1;
+      dk = dv = 128;
+      num_kv_heads = 1;
+    }
     const int64_t grid_y = static_cast<int64_t>(num_kv_heads) * m.head_tiles;
     RETURN_IF_ERROR(GridLimit(grid_y, "kv heads x ceil(q heads per kv head / 16)", "one block row per head tile"));
     if (batch == 0) return absl::OkStatus();
@@ -622,7 +636,7 @@ class CudaBackend final : public KernelBackend {
                               : cudaMallocAsync(reinterpret_cast<void**>(p), bytes, stream_),
                           "alloc decode partials");
       };
-      RETURN_IF_ERROR(alloc(&m.part_acc, rows * dv * 4));
+      RETURN_IF_ERROR(alloc(&m.part_acc, rows * out_dv * 4));
       if (absl::Status st = alloc(&m.part_ml, rows * 2 * 4); !st.ok()) {
         cudaFreeAsync(m.part_acc, stream_);
         return st;
@@ -632,18 +646,18 @@ class CudaBackend final : public KernelBackend {
     const bool bf16 = dtype == DType::kBf16;
     cudaError_t e;
     if (dk == 576) {
-      e = bf16 ? mma::LaunchDecode<__nv_bfloat16, 576, 512, 2, true, 4, 32>(m, grid, stream_)
-               : mma::LaunchDecode<__half, 576, 512, 2, true, 4, 32>(m, grid, stream_);
+      e = bf16 ? mma::LaunchDecode<__nv_bfloat16, 576, 512, 2, true, 8, 32, 2>(m, grid, stream_)
+               : mma::LaunchDecode<__half, 576, 512, 2, true, 8, 32, 2>(m, grid, stream_);
     } else if (dk == 128) {
-      e = bf16 ? mma::LaunchDecode<__nv_bfloat16, 128, 128, 2, false, 8, 64>(m, grid, stream_)
-               : mma::LaunchDecode<__half, 128, 128, 2, false, 8, 64>(m, grid, stream_);
+      e = bf16 ? mma::LaunchDecode<__nv_bfloat16, 128, 128, 2, false, 4, 32, 4>(m, grid, stream_)
+               : mma::LaunchDecode<__half, 128, 128, 2, false, 4, 32, 4>(m, grid, stream_);
     } else {
       e = bf16 ? mma::LaunchDecode<__nv_bfloat16, 64, 64, 2, false, 4, 64>(m, grid, stream_)
                : mma::LaunchDecode<__half, 64, 64, 2, false, 4, 64>(m, grid, stream_);
     }
     if (e == cudaSuccess && splits > 1) {
       MergeSplitsKernel<<<dim3(batch, m.num_q_heads), 128, 0, stream_>>>(m.part_acc, m.part_ml, m.max_splits,
-                                                                         m.num_q_heads, dv, out);
+                                                                         m.num_q_heads, out_dv, out);
       e = cudaGetLastError();
     }
     if (splits > 1) {
@@ -651,6 +665,15 @@ class CudaBackend final : public KernelBackend {
       cudaFreeAsync(m.part_ml, stream_);
     }
     return CudaStatus(e, "tensor-core decode launch");
+  }
+
+  // KVPOOL_CUDA_PACK_HEADS=0 turns packed heads off (for A/B runs).
+  static bool PackHeads() {
+    static const bool on = [] {
+      const char* e = std::getenv("KVPOOL_CUDA_PACK_HEADS");
+      return e == nullptr || std::string(e) != "0";
+    }();
+    return on;
   }
 
   // q_indptr[batch] read back from the device: the grid size of a prefill.

@@ -62,6 +62,12 @@ struct Args {
   float* out;                  // [batch][num_q_heads][DV]
   float* part_acc;             // [batch][num_q_heads][max_splits][DV]
   float* part_ml;              // [batch][num_q_heads][max_splits][2] (max in natural log units, sum)
+  // Packed heads (0 = off): all kv heads of a sequence in one CTA, read as one wide head
+  // of DK = kv heads x pack_dh (adjacent in a slot). Row r (q head r) keeps its pack_dh
+  // query values at its kv head's columns (r / pack_group) and zeros elsewhere, so its
+  // scores are those of its own head; of the DV output columns it keeps its head's.
+  // q, out and the partials then have pack_dh columns per head.
+  int pack_dh, pack_group;
 };
 
 template <typename T>
@@ -75,6 +81,8 @@ __device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162fl
 __device__ __forceinline__ float ToFloat(__half x) { return __half2float(x); }
 __device__ __forceinline__ uint16_t Bits(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
 __device__ __forceinline__ uint16_t Bits(__half x) { return __half_as_ushort(x); }
+
+__device__ __forceinline__ float NegInf() { return -__int_as_float(0x7f800000); }
 
 // Two values as one 32-bit MMA operand register: the lower column in the low half.
 template <typename T>
@@ -122,7 +130,6 @@ __device__ __forceinline__ void Ldsm4T(uint32_t (&r)[4], const void* p) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(SmemAddr(p)));
 }
-__device__ __forceinline__ float NegInf() { return -__int_as_float(0x7f800000); }
 
 // Hopper's bulk copy engine (TMA without a tensor map): one instruction moves a
 // contiguous run of bytes global -> shared and reports on an mbarrier, so a tile's
@@ -187,8 +194,8 @@ struct Layout {
 // of DK) for the tokens of group w / 4, and the 4 partial sums meet in shared memory.
 // Softmax: without split-K warp w owns tokens [w TT/NW, (w+1) TT/NW) as MMA fragments;
 // with split-K each thread takes kPer scores of one row. PV: warp w owns DV/NW columns.
-template <typename T, int DK, int DV, int STAGES, bool SHARED_V, int NW, int TT>
-__global__ void __launch_bounds__(32 * NW) DecodeKernel(Args a) {
+template <typename T, int DK, int DV, int STAGES, bool SHARED_V, int NW, int TT, int MINB = 1>
+__global__ void __launch_bounds__(32 * NW, MINB) DecodeKernel(Args a) {
   using L = Layout<DK, DV, STAGES, SHARED_V, NW, TT>;
   constexpr int kTileTokens = TT;
   constexpr int kDvw = DV / NW;               // output columns per warp
@@ -248,7 +255,12 @@ __global__ void __launch_bounds__(32 * NW) DecodeKernel(Args a) {
   }
   for (int i = tid; i < kRows * DK; i += 32 * NW) {
     const int r = i / DK, d = i % DK;
-    const float x = r < rows ? a.q[(static_cast<int64_t>(b) * a.num_q_heads + h0 + r) * DK + d] : 0.f;
+    float x = 0.f;
+    if (r < rows && a.pack_dh == 0) {
+      x = a.q[(static_cast<int64_t>(b) * a.num_q_heads + h0 + r) * DK + d];
+    } else if (r < rows && d / a.pack_dh == r / a.pack_group) {
+      x = a.q[(static_cast<int64_t>(b) * a.num_q_heads + r) * a.pack_dh + d % a.pack_dh];
+    }
     Split(x, &q_hi[r * L::kQs + d], &q_lo[r * L::kQs + d]);
   }
   __syncthreads();
@@ -552,6 +564,7 @@ __global__ void __launch_bounds__(32 * NW) DecodeKernel(Args a) {
     }
   }
 
+  const int dv_out = a.pack_dh ? a.pack_dh : DV;  // output columns per q head
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = g + half * 8;
@@ -560,13 +573,17 @@ __global__ void __launch_bounds__(32 * NW) DecodeKernel(Args a) {
     const int64_t qh = static_cast<int64_t>(b) * a.num_q_heads + h0 + r;
 #pragma unroll
     for (int i = 0; i < kDvw / 8; ++i) {
-      const int d = warp * kDvw + i * 8 + t4 * 2;
+      int d = warp * kDvw + i * 8 + t4 * 2;  // d, d + 1: one head's columns (pack_dh is even)
+      if (a.pack_dh) {
+        if (d / a.pack_dh != r / a.pack_group) continue;  // another kv head's columns
+        d %= a.pack_dh;
+      }
       const float v0 = o[i][half * 2], v1 = o[i][half * 2 + 1];
       if (a.max_splits == 1) {
-        a.out[qh * DV + d] = ll > 0.f ? v0 / ll : 0.f;
-        a.out[qh * DV + d + 1] = ll > 0.f ? v1 / ll : 0.f;
+        a.out[qh * dv_out + d] = ll > 0.f ? v0 / ll : 0.f;
+        a.out[qh * dv_out + d + 1] = ll > 0.f ? v1 / ll : 0.f;
       } else {
-        float* const dst = a.part_acc + (qh * a.max_splits + split) * DV + d;
+        float* const dst = a.part_acc + (qh * a.max_splits + split) * dv_out + d;
         dst[0] = v0;
         dst[1] = v1;
       }
@@ -580,13 +597,13 @@ __global__ void __launch_bounds__(32 * NW) DecodeKernel(Args a) {
 
 // Sets the kernel's dynamic shared memory limit (a per-device setting, so on every
 // launch: it is cheap), then launches.
-template <typename T, int DK, int DV, int STAGES, bool SHARED_V, int NW, int TT>
+template <typename T, int DK, int DV, int STAGES, bool SHARED_V, int NW, int TT, int MINB = 1>
 cudaError_t LaunchDecode(const Args& a, dim3 grid, cudaStream_t st) {
   constexpr size_t kBytes = Layout<DK, DV, STAGES, SHARED_V, NW, TT>::kBytes;
-  const cudaError_t attr = cudaFuncSetAttribute(DecodeKernel<T, DK, DV, STAGES, SHARED_V, NW, TT>,
+  const cudaError_t attr = cudaFuncSetAttribute(DecodeKernel<T, DK, DV, STAGES, SHARED_V, NW, TT, MINB>,
                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kBytes));
   if (attr != cudaSuccess) return attr;
-  DecodeKernel<T, DK, DV, STAGES, SHARED_V, NW, TT><<<grid, 32 * NW, kBytes, st>>>(a);
+  DecodeKernel<T, DK, DV, STAGES, SHARED_V, NW, TT, MINB><<<grid, 32 * NW, kBytes, st>>>(a);
   return cudaGetLastError();
 }
 
