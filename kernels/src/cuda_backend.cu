@@ -589,14 +589,18 @@ class CudaBackend final : public KernelBackend {
   // in split order.
   //
   // Configurations (template <dtype, DK, DV, stages, V = K's first DV columns, warps,
-  // tile tokens>), chosen by measurement on an H200 (kernels/README.md):
-  //   GQA d=128: 8 warps, 64-token tiles, 2 stages: 2 CTAs per SM (registers).
-  //   GQA d=64:  4 warps, 64-token tiles, 2 stages (3 stages measured slower).
-  //   MLA:       4 warps, 32-token tiles, 2 stages, ~91 KiB of shared memory: 2 CTAs
-  //              per SM, so one CTA's barriers overlap the other's work (8 or 16 warps
-  //              in one 64-token CTA: 0.44-0.69 of the copy; this: 0.39-0.85, best on
-  //              large batches). 512-token splits instead of 1024 measured worse on
-  //              the large shapes (0.64-0.75) for little gain on the small ones.
+  // tile tokens, min CTAs per SM>), chosen by measurement on an H200 (kernels/README.md):
+  //   GQA d=128 (and packed d=64 pairs): 4 warps, 32-token tiles, 2 stages, at most 128
+  //              registers so 4 CTAs share an SM. What counted was CTAs per SM: the
+  //              same tiles at 133 registers (3 per SM) ran 0.47-0.68 of the copy
+  //              against 0.71-0.82; 3 or 4 stages (fewer CTAs per SM) and 2-warp CTAs
+  //              were slower; 8 warps x 64 tokens (the previous choice) is faster on
+  //              batches of <= 128 CTAs but 0.65-0.74 on the large ones.
+  //   GQA d=64 not packed: 4 warps, 64-token tiles, 2 stages.
+  //   MLA:       8 warps, 32-token tiles, 2 stages, at most 128 registers (2 CTAs per
+  //              SM): DeepSeek's 16 heads +7-10% over 4 warps (whose 219 registers
+  //              also allow 2), tiny-mla within noise. 3-4 stages, 16-token tiles and
+  //              512- or 256-token splits were slower on the large shapes.
   absl::Status DecodeMma(mma::Args m, int batch, DType dtype, int dk, int dv, int num_kv_heads, float* out) {
     // Packed heads: kv heads of dk = 64 that are adjacent in a slot (GqaPagedKv's
     // layout) and serve at most 16 q heads in all are read as one head of 128, in one

@@ -3,7 +3,8 @@
 // latent per token shared by every head) are the same problem, multi-query attention of
 // up to 16 query rows over one paged K/V stream, so one kernel serves both.
 //
-// A CTA owns (sequence, kv head, 16-row head tile, split of the context) and NW warps.
+// A CTA owns (sequence, kv head, 16-row head tile, split of the context) and NW warps;
+// with packed heads (Args::pack_dh), all the kv heads of a sequence at once.
 // Tiles of TT tokens are staged in shared memory by Hopper bulk copies (one per token
 // row, completing on an mbarrier per stage; STAGES deep, so the next tile loads while
 // this one computes). Per tile:
