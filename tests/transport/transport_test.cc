@@ -942,6 +942,20 @@ TEST(SameHostTest, AllocatedArenaIsAHugePageSegmentGoneWithItsLastMapping) {
     EXPECT_EQ(std::memcmp((*oa)->base() + 120 * kPage, (*ca)->base() + 3 * kPage, kPage), 0);
     EXPECT_EQ(std::memcmp((*oa)->base() + 7 * kPage, (*ca)->base() + 9 * kPage, kPage), 0);
     EXPECT_EQ(std::memcmp((*oa)->base() + 64 * kPage, (*ca)->base() + 100 * kPage, kPage), 0);
+    // A contiguous run of 37 pages (2.3 MiB) moves as one segment, copied in 256 KiB
+    // pieces with a short last one: every byte lands and none past the run.
+    std::vector<uint64_t> src(37), dst(37);
+    std::iota(src.begin(), src.end(), 10);
+    std::iota(dst.begin(), dst.end(), 80);
+    ASSERT_TRUE(Await((*ep)->Put({{{(*ca)->id(), src, 0}, {(*oa)->id(), dst, 0}}})).ok());
+    EXPECT_EQ(std::memcmp((*oa)->base() + 80 * kPage, (*ca)->base() + 10 * kPage, 37 * kPage), 0);
+    const std::vector<std::byte> zeros(kPage);
+    EXPECT_EQ(std::memcmp((*oa)->base() + 117 * kPage, zeros.data(), kPage), 0) << "bytes past the run";
+    for (uint64_t i = 0; i < 37 * kPage; ++i) (*oa)->base()[80 * kPage + i] = static_cast<std::byte>(i * 7 + 1);
+    const std::vector<std::byte> after((*ca)->base() + 47 * kPage, (*ca)->base() + 48 * kPage);
+    ASSERT_TRUE(Await((*ep)->Get({{{(*ca)->id(), src, 0}, {(*oa)->id(), dst, 0}}})).ok());
+    EXPECT_EQ(std::memcmp((*ca)->base() + 10 * kPage, (*oa)->base() + 80 * kPage, 37 * kPage), 0);
+    EXPECT_EQ(std::memcmp((*ca)->base() + 47 * kPage, after.data(), kPage), 0) << "bytes past the run";
     // The owner's mapping and the peer's own (this process plays both).
     const std::vector<uint64_t> maps = SegmentMappings(d.shm_id);
     ASSERT_EQ(maps.size(), 2u);
