@@ -83,8 +83,6 @@ __device__ __forceinline__ float ToFloat(__half x) { return __half2float(x); }
 __device__ __forceinline__ uint16_t Bits(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
 __device__ __forceinline__ uint16_t Bits(__half x) { return __half_as_ushort(x); }
 
-__device__ __forceinline__ float NegInf() { return -__int_as_float(0x7f800000); }
-
 // Two values as one 32-bit MMA operand register: the lower column in the low half.
 template <typename T>
 __device__ __forceinline__ uint32_t Pack(T lo_col, T hi_col) {
@@ -131,6 +129,7 @@ __device__ __forceinline__ void Ldsm4T(uint32_t (&r)[4], const void* p) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(SmemAddr(p)));
 }
+__device__ __forceinline__ float NegInf() { return -__int_as_float(0x7f800000); }
 
 // Hopper's bulk copy engine (TMA without a tensor map): one instruction moves a
 // contiguous run of bytes global -> shared and reports on an mbarrier, so a tile's
