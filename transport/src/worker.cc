@@ -503,6 +503,13 @@ void WorkerImpl::Loop() {
     // be forced closed): answer their callers rather than never; the worker is destroyed
     // right after this thread ends.
     for (auto& [id, b] : batches_) Deliver(*b);
+    // Closes still in progress (a mode-NONE endpoint flushing to a peer that died, which
+    // cannot be forced) go back to UCX, which drops them with the worker: a request the
+    // user still holds at ucp_worker_destroy aborts the process in UCX 1.13 (ucp_ep.c
+    // "Assertion `req->flags & UCP_REQUEST_FLAG_RELEASED' failed", seen in
+    // MultiProcessTest.InitiatorKilledOwnerKeepsServing/Shm under load).
+    for (Closing& c : closing_reqs_) ucp_request_free(c.req);
+    closing_reqs_.clear();
   }
   RunCallbacks();
 }
