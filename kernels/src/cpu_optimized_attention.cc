@@ -9,7 +9,7 @@
 // groups with few FMAs per byte), a few tokens between two score sub-blocks (pages are
 // scattered, so hardware prefetchers restart at every page), and read K whole token
 // rows at a time (GQA: every kv head of a sub-block).
-// bf16 with dimensions % 16 == 0 uses the paired kernels (SimdOps::score_bf16p /
+// bf16 with dimensions a multiple of pair_block uses the paired kernels (SimdOps::score_bf16p /
 // accum_bf16p) where the ISA has them: q is permuted once per split, accumulators stay
 // permuted until the split ends. Every score/accumulator element is summed in the same
 // order however tokens are grouped, so results depend only on the sequence.
@@ -156,7 +156,8 @@ void MergeSplits(const CpuContext& cx, const std::vector<int>& first, int batch,
 
 
 // The bf16 fast path (SimdOps::score_bf16p / accum_bf16p) where the ISA has one and
-// every dimension is a multiple of 16; q rows and accumulators are then paired.
+// every dimension is a multiple of its pair_block (16 or 32); q rows and accumulators
+// are then paired.
 // KVPOOL_KERNELS_BF16_PAIRED=0 turns it off (A/B measurements).
 bool PairedAllowed() {
   static const bool allowed = [] {
@@ -167,7 +168,7 @@ bool PairedAllowed() {
 }
 
 inline bool UsePaired(const SimdOps& ops, Elem elem, int dim, int dv) {
-  return PairedAllowed() && elem == Elem::kBf16 && dim % 16 == 0 && dv % 16 == 0 &&
+  return PairedAllowed() && elem == Elem::kBf16 && dim % ops.pair_block == 0 && dv % ops.pair_block == 0 &&
          ops.score_bf16p != nullptr && ops.accum_bf16p != nullptr;
 }
 
@@ -235,7 +236,7 @@ void CpuGqaDecode(const CpuContext& cx, const GqaDecodeParams& p) {
     const float* qp = nullptr;
     if (paired) {
       scr.qp.resize(static_cast<size_t>(Hq) * d);
-      cx.ops->pair16(q, scr.qp.data(), Hq * d);  // rows of d, d % 16 == 0
+      cx.ops->pair16(q, scr.qp.data(), Hq * d);  // rows of d, d % pair_block == 0
       qp = scr.qp.data();
     }
     scr.s.resize(static_cast<size_t>(kTile) * std::max(Hq, 16));  // [Hkv][G][kTile]
@@ -331,7 +332,7 @@ void CpuMlaDecodeAbsorbed(const CpuContext& cx, const MlaDecodeParams& p) {
     const float* qp = nullptr;
     if (paired) {
       scr.qp.resize(static_cast<size_t>(H) * entry);
-      cx.ops->pair16(q, scr.qp.data(), H * entry);  // rows of 576 = 36 x 16
+      cx.ops->pair16(q, scr.qp.data(), H * entry);  // rows of 576 = 36 x 16 = 18 x 32
       qp = scr.qp.data();
     }
     const int sub = SubTokens(paired, H);

@@ -1,8 +1,9 @@
 // Inner loops of the CPU optimized backend, behind a table of function pointers
-// chosen once at runtime: AVX2+FMA+F16C when the CPU has them, portable loops
-// otherwise.
+// chosen once at runtime: AVX-512 (bf16 decode) or AVX2+FMA+F16C when the CPU has
+// them, portable loops otherwise.
 //
-// This header is included by a translation unit compiled with -mavx2 -mfma -mf16c,
+// This header is included by translation units compiled with -mavx2 -mfma -mf16c
+// (and -mavx512f -mavx512bw),
 // so it must stay free of inline code from other headers (an inline function
 // compiled with AVX2 there could be picked by the linker for everyone).
 #pragma once
@@ -60,13 +61,21 @@ struct SimdOps {
   // As accum with bf16 rows and paired accumulators accp[r*dv ...].
   void (*accum_bf16p)(const float* p, int R, int ld, const void* const* rows, int T, int dv,
                       float* accp);
+  // Elements per pairing block of pair16 / unpair16 and the paired kernels: 16 as
+  // described above (AVX2), 32 for AVX-512 (16 even then 16 odd: one 64-byte load). The
+  // paired path needs dimensions that are multiples of it.
+  int pair_block;
 };
 
 const SimdOps& GenericOps();
 // nullptr when this build has no AVX2 variant (non-x86 targets).
 const SimdOps* Avx2Ops();
-// AVX2 when compiled in and the CPU supports avx2, fma and f16c; generic otherwise.
-// KVPOOL_KERNELS_ISA=generic in the environment forces the portable loops.
+// AVX2's table with the bf16 fast path in AVX-512 (pair_block 32); nullptr where the
+// build has none.
+const SimdOps* Avx512Ops();
+// AVX-512 when compiled in and the CPU supports avx512f and avx512bw (and AVX2's
+// features), else AVX2 when the CPU supports avx2, fma and f16c, else generic.
+// KVPOOL_KERNELS_ISA=generic or =avx2 in the environment caps the choice there.
 const SimdOps& BestOps();
 
 }  // namespace kvpool::kernels::internal

@@ -1,9 +1,10 @@
 // AVX2 + FMA + F16C inner loops. This file alone is compiled with -mavx2 -mfma -mf16c
 // and is only called after BestOps() checked the CPU; it includes nothing but
-// intrinsics and cpu_simd.h (see the note there).
+// intrinsics, cpu_simd.h and cpu_simd_paired.h (see the note in cpu_simd.h).
 #include <immintrin.h>
 
 #include "cpu_simd.h"
+#include "cpu_simd_paired.h"
 
 namespace kvpool::kernels::internal {
 namespace {
@@ -366,177 +367,60 @@ void KdaStep(float* S, int dk, int dv, const float* q, const float* k, const flo
   Scal(scale, out, dv);
 }
 
-// ---- bf16 decode fast path, paired layout (see cpu_simd.h) ----
+// ---- bf16 decode fast path, paired layout (see cpu_simd.h, cpu_simd_paired.h) ----
 
-void Pair16(const float* x, float* y, int n) {
-  for (int b = 0; b < n; b += 16) {
-    for (int k = 0; k < 8; ++k) {
-      y[b + k] = x[b + 2 * k];
-      y[b + 8 + k] = x[b + 2 * k + 1];
-    }
+struct Isa {
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  // Column blocks per AccumP call for 1..4 rows (16 ymm registers).
+  static constexpr int kAccumCols[5] = {0, 4, 2, 1, 1};
+  static V Zero() { return _mm256_setzero_ps(); }
+  static V Load(const float* p) { return _mm256_loadu_ps(p); }
+  static void Store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V Set1(float x) { return _mm256_set1_ps(x); }
+  static V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  // Pins v to a register: the compiler may no longer fold the load that produced it into
+  // each instruction that uses it. gcc otherwise turns one load feeding two (or NT) uses
+  // into a memory operand per use, and the decode score loops then issue more loads than
+  // FMAs, which the core's two 256-bit load ports cannot feed (perf: the MLA score loop
+  // loaded each q chunk twice and each K chunk twice per 16 FMAs).
+  template <typename T>
+  [[gnu::always_inline]] static void InRegister(T& v) {
+    asm("" : "+x"(v));
   }
-}
-
-void Unpair16(const float* x, float* y, int n) {
-  for (int b = 0; b < n; b += 16) {
-    for (int k = 0; k < 8; ++k) {
-      y[b + 2 * k] = x[b + k];
-      y[b + 2 * k + 1] = x[b + 8 + k];
-    }
+  // 16 bf16 at row + i (elements) as fp32: even elements -> *e, odd -> *o.
+  [[gnu::always_inline]] static void LoadPair(const void* row, int i, V* e, V* o) {
+    __m256i raw =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + i));
+    InRegister(raw);  // one load for both halves
+    *e = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+    *o = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
   }
-}
-
-// Pins v to a register: the compiler may no longer fold the load that produced it into
-// each instruction that uses it. gcc otherwise turns one load feeding two (or NT) uses
-// into a memory operand per use, and the decode score loops then issue more loads than
-// FMAs, which the core's two 256-bit load ports cannot feed (perf: the MLA score loop
-// loaded each q chunk twice and each K chunk twice per 16 FMAs).
-template <typename V>
-[[gnu::always_inline]] inline void InRegister(V& v) {
-  asm("" : "+x"(v));
-}
-
-// 16 bf16 at row + i (elements) as fp32: even elements -> *e, odd -> *o.
-[[gnu::always_inline]] inline void LoadPair(const void* row, int i, __m256* e, __m256* o) {
-  __m256i raw =
-      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + i));
-  InRegister(raw);  // one load for both halves
-  *e = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-  *o = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-
-// The 8 lane sums of a[0..7], one per lane, each reduced as ((l0+l1)+(l2+l3)) +
-// ((l4+l5)+(l6+l7)) whatever its position (so a score does not depend on grouping).
-[[gnu::always_inline]] inline __m256 HSum8x8(const __m256* a) {
-  const __m256 h0 = _mm256_hadd_ps(a[0], a[1]), h1 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 h2 = _mm256_hadd_ps(a[4], a[5]), h3 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 g0 = _mm256_hadd_ps(h0, h1), g1 = _mm256_hadd_ps(h2, h3);
-  return _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31));
-}
-
-// Scores of NR paired q rows against NT bf16 K rows; accumulator k = r * NT + t.
-template <int NR, int NT>
-[[gnu::always_inline]] inline void ScoreP(const float* qp, int dim, const void* const* rows,
-                                          float scale, float* s, int ld) {
-  static_assert(NR * NT <= 8);
-  __m256 acc[NR * NT];
-  for (int k = 0; k < NR * NT; ++k) acc[k] = _mm256_setzero_ps();
-  for (int i = 0; i < dim; i += 16) {
-    if constexpr (NR <= 3) {
-      // Few rows, several tokens: hold the q chunk, widen one K row at a time (16 ymm
-      // registers: NR * NT accumulators + 2 NR q + 2 K).
-      __m256 qe[NR], qo[NR];
-      for (int r = 0; r < NR; ++r) {
-        qe[r] = _mm256_loadu_ps(qp + r * dim + i);
-        qo[r] = _mm256_loadu_ps(qp + r * dim + i + 8);
-      }
-      for (int t = 0; t < NT; ++t) {
-        __m256 ke, ko;
-        LoadPair(rows[t], i, &ke, &ko);
-        for (int r = 0; r < NR; ++r) {
-          acc[r * NT + t] = _mm256_fmadd_ps(qe[r], ke, acc[r * NT + t]);
-          acc[r * NT + t] = _mm256_fmadd_ps(qo[r], ko, acc[r * NT + t]);
-        }
-      }
-    } else {
-      // Many rows: widen the NT K rows once, stream q (NR * NT accumulators + 2 NT K).
-      __m256 ke[NT], ko[NT];
-      for (int t = 0; t < NT; ++t) LoadPair(rows[t], i, &ke[t], &ko[t]);
-      for (int r = 0; r < NR; ++r) {
-        __m256 qe = _mm256_loadu_ps(qp + r * dim + i), qo = _mm256_loadu_ps(qp + r * dim + i + 8);
-        if constexpr (NT > 1) {  // loaded once for the NT tokens
-          InRegister(qe);
-          InRegister(qo);
-        }
-        for (int t = 0; t < NT; ++t) {
-          acc[r * NT + t] = _mm256_fmadd_ps(qe, ke[t], acc[r * NT + t]);
-          acc[r * NT + t] = _mm256_fmadd_ps(qo, ko[t], acc[r * NT + t]);
-        }
-      }
-    }
+  // The 8 lane sums of a[0..7], one per lane, each reduced as ((l0+l1)+(l2+l3)) +
+  // ((l4+l5)+(l6+l7)) whatever its position (so a score does not depend on grouping).
+  [[gnu::always_inline]] static __m256 HSum8(const V* a) {
+    const __m256 h0 = _mm256_hadd_ps(a[0], a[1]), h1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 h2 = _mm256_hadd_ps(a[4], a[5]), h3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 g0 = _mm256_hadd_ps(h0, h1), g1 = _mm256_hadd_ps(h2, h3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31));
   }
-  __m256 all[8];
-  for (int k = 0; k < 8; ++k) all[k] = k < NR * NT ? acc[k] : _mm256_setzero_ps();
-  alignas(32) float out[8];
-  _mm256_store_ps(out, _mm256_mul_ps(_mm256_set1_ps(scale), HSum8x8(all)));
-  for (int r = 0; r < NR; ++r) {
-    for (int t = 0; t < NT; ++t) s[r * ld + t] = out[r * NT + t];
-  }
-}
+};
 
-template <int NR, int NT>
-inline void ScorePRows(const float* qp, int dim, const void* const* rows, int T, float scale,
-                       float* s, int ld) {
-  int t = 0;
-  for (; t + NT <= T; t += NT) ScoreP<NR, NT>(qp, dim, rows + t, scale, s + t, ld);
-  for (; t < T; ++t) ScoreP<NR, 1>(qp, dim, rows + t, scale, s + t, ld);
-}
-
-void ScoreBf16P(const float* qp, int R, int dim, const void* const* rows, int T, float scale,
-                float* s, int ld) {
-  int r = 0;
-  // Up to 8 rows per K row load (measured ~4% faster than 4 rows x 2 tokens for 8 rows).
-  for (; r + 8 <= R; r += 8) ScorePRows<8, 1>(qp + r * dim, dim, rows, T, scale, s + r * ld, ld);
-  for (; r + 4 <= R; r += 4) ScorePRows<4, 2>(qp + r * dim, dim, rows, T, scale, s + r * ld, ld);
-  switch (R - r) {
-    case 3: ScorePRows<3, 2>(qp + r * dim, dim, rows, T, scale, s + r * ld, ld); break;
-    case 2: ScorePRows<2, 4>(qp + r * dim, dim, rows, T, scale, s + r * ld, ld); break;
-    case 1: ScorePRows<1, 8>(qp + r * dim, dim, rows, T, scale, s + r * ld, ld); break;
-    default: break;
-  }
-}
-
-// accp rows [0, NR) += p * V over paired columns [j, j + 16 * NC).
-template <int NR, int NC>
-[[gnu::always_inline]] inline void AccumP(const float* p, int ld, const void* const* rows, int T, int j, int dv, float* accp) {
-  __m256 a[NR][NC][2];
-  for (int r = 0; r < NR; ++r) {
-    for (int c = 0; c < NC; ++c) {
-      a[r][c][0] = _mm256_loadu_ps(accp + r * dv + j + 16 * c);
-      a[r][c][1] = _mm256_loadu_ps(accp + r * dv + j + 16 * c + 8);
-    }
-  }
-  for (int t = 0; t < T; ++t) {
-    __m256 xe[NC], xo[NC];
-    for (int c = 0; c < NC; ++c) LoadPair(rows[t], j + 16 * c, &xe[c], &xo[c]);
-    for (int r = 0; r < NR; ++r) {
-      const __m256 w = _mm256_broadcast_ss(p + r * ld + t);
-      for (int c = 0; c < NC; ++c) {
-        a[r][c][0] = _mm256_fmadd_ps(w, xe[c], a[r][c][0]);
-        a[r][c][1] = _mm256_fmadd_ps(w, xo[c], a[r][c][1]);
-      }
-    }
-  }
-  for (int r = 0; r < NR; ++r) {
-    for (int c = 0; c < NC; ++c) {
-      _mm256_storeu_ps(accp + r * dv + j + 16 * c, a[r][c][0]);
-      _mm256_storeu_ps(accp + r * dv + j + 16 * c + 8, a[r][c][1]);
-    }
-  }
-}
-
-// Rows [0, NR) over every column: blocks of NC x 16 columns, then single blocks.
-template <int NR, int NC>
-inline void AccumPRows(const float* p, int ld, const void* const* rows, int T, int dv, float* accp) {
-  int j = 0;
-  for (; j + 16 * NC <= dv; j += 16 * NC) AccumP<NR, NC>(p, ld, rows, T, j, dv, accp);
-  for (; j < dv; j += 16) AccumP<NR, 1>(p, ld, rows, T, j, dv, accp);
-}
-
-void AccumBf16P(const float* p, int R, int ld, const void* const* rows, int T, int dv, float* accp) {
-  int r = 0;
-  for (; r + 4 <= R; r += 4) AccumPRows<4, 1>(p + r * ld, ld, rows, T, dv, accp + r * dv);
-  switch (R - r) {
-    case 3: AccumPRows<3, 1>(p + r * ld, ld, rows, T, dv, accp + r * dv); break;
-    case 2: AccumPRows<2, 2>(p + r * ld, ld, rows, T, dv, accp + r * dv); break;
-    case 1: AccumPRows<1, 4>(p + r * ld, ld, rows, T, dv, accp + r * dv); break;
-    default: break;
-  }
-}
-
-const SimdOps kAvx2 = {"avx2",    Score,      Accum,     ExpNonpos, MaxOf,
-                       ExpSubSum, Axpy,       Scal,      Dot,       KdaStep,
-                       Pair16,    Unpair16,   ScoreBf16P, AccumBf16P};
+const SimdOps kAvx2 = {"avx2",
+                       Score,
+                       Accum,
+                       ExpNonpos,
+                       MaxOf,
+                       ExpSubSum,
+                       Axpy,
+                       Scal,
+                       Dot,
+                       KdaStep,
+                       paired::Pair<Isa>,
+                       paired::Unpair<Isa>,
+                       paired::ScoreBf16P<Isa>,
+                       paired::AccumBf16P<Isa>,
+                       2 * Isa::kLanes};
 
 }  // namespace
 

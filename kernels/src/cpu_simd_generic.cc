@@ -89,7 +89,7 @@ void KdaStep(float* S, int dk, int dv, const float* q, const float* k, const flo
 
 const SimdOps kGeneric = {"generic", Score,   Accum,   ExpNonpos, MaxOf,   ExpSubSum,
                           Axpy,      Scal,    Dot,     KdaStep,   nullptr, nullptr,
-                          nullptr,   nullptr};
+                          nullptr,   nullptr, 16};
 
 }  // namespace
 
@@ -99,14 +99,21 @@ const SimdOps& BestOps() {
   static const SimdOps* best = [] {
     const char* force = std::getenv("KVPOOL_KERNELS_ISA");
     if (force != nullptr && std::strcmp(force, "generic") == 0) return &kGeneric;
+    const bool cap_avx2 = force != nullptr && std::strcmp(force, "avx2") == 0;
     const SimdOps* avx2 = Avx2Ops();
 #if defined(__x86_64__) || defined(__i386__)
     if (avx2 != nullptr && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
         __builtin_cpu_supports("f16c")) {
+      const SimdOps* avx512 = Avx512Ops();
+      if (!cap_avx2 && avx512 != nullptr && __builtin_cpu_supports("avx512f") &&
+          __builtin_cpu_supports("avx512bw")) {
+        return avx512;
+      }
       return avx2;
     }
 #endif
     (void)avx2;
+    (void)cap_avx2;
     return &kGeneric;
   }();
   return *best;
