@@ -9,10 +9,11 @@
 // groups with few FMAs per byte), a few tokens between two score sub-blocks (pages are
 // scattered, so hardware prefetchers restart at every page), and read K whole token
 // rows at a time (GQA: every kv head of a sub-block).
-// bf16 with dimensions a multiple of pair_block uses the paired kernels (SimdOps::score_bf16p /
-// accum_bf16p) where the ISA has them: q is permuted once per split, accumulators stay
-// permuted until the split ends. Every score/accumulator element is summed in the same
-// order however tokens are grouped, so results depend only on the sequence.
+// bf16 with dimensions a multiple of the ISA's pair_block uses the paired kernels
+// (SimdOps::score_bf16p / accum_bf16p) where the ISA has them: q is permuted once per
+// split, accumulators stay permuted until the split ends. Every score/accumulator
+// element is summed in the same order however tokens are grouped, so results depend
+// only on the sequence.
 // Prefill items are (sequence, kv head, block of queries) with causal masks per row.
 #include <algorithm>
 #include <cstdlib>
@@ -168,8 +169,8 @@ bool PairedAllowed() {
 }
 
 inline bool UsePaired(const SimdOps& ops, Elem elem, int dim, int dv) {
-  return PairedAllowed() && elem == Elem::kBf16 && dim % ops.pair_block == 0 && dv % ops.pair_block == 0 &&
-         ops.score_bf16p != nullptr && ops.accum_bf16p != nullptr;
+  return PairedAllowed() && elem == Elem::kBf16 && dim % ops.pair_block == 0 &&
+         dv % ops.pair_block == 0 && ops.score_bf16p != nullptr && ops.accum_bf16p != nullptr;
 }
 
 // Scores of one sub-block: `q` natural rows or `qp` paired rows (paired path).

@@ -2,10 +2,9 @@
 // chosen once at runtime: AVX-512 (bf16 decode) or AVX2+FMA+F16C when the CPU has
 // them, portable loops otherwise.
 //
-// This header is included by translation units compiled with -mavx2 -mfma -mf16c
-// (and -mavx512f -mavx512bw),
-// so it must stay free of inline code from other headers (an inline function
-// compiled with AVX2 there could be picked by the linker for everyone).
+// This header is included by translation units compiled with -mavx2 -mfma -mf16c (and
+// -mavx512f -mavx512bw), so it must stay free of inline code from other headers (an
+// inline function compiled with AVX2 there could be picked by the linker for everyone).
 #pragma once
 
 #include <cstdint>
