@@ -880,14 +880,9 @@ void WorkerImpl::CopyMapped(const Batch& b, Segment& s, std::byte* rp, bool stre
     }
   };
   if (!b.observe) {
-    for (uint64_t off = 0; off < s.len; off += kCopyPiece) {
-      const uint64_t n = std::min(kCopyPiece, s.len - off);
-      if (b.dir == Direction::kPut) {
-        copy(rp + off, s.local + off, n);
-      } else {
-        copy(s.local + off, rp + off, n);
-      }
-    }
+    std::byte* const dst = b.dir == Direction::kPut ? rp : s.local;
+    const std::byte* const src = b.dir == Direction::kPut ? s.local : rp;
+    for (uint64_t off = 0; off < s.len; off += kCopyPiece) copy(dst + off, src + off, std::min(kCopyPiece, s.len - off));
     return;
   }
   // Copy in cache-sized pieces and show each to the observer while it is hot: a put's
@@ -1006,7 +1001,6 @@ void WorkerImpl::StartRma(Batch& b) {
         (ucp_rkey_ptr(rkey, raddr, &mapped) == UCS_OK && mapped != nullptr)) {
       streamed |= stream;
       CopyMapped(b, s, static_cast<std::byte*>(mapped), stream);
-      s.observed = true;
       continue;
     }
     needs_flush = true;
