@@ -38,17 +38,17 @@ extern "C" ucs_status_ptr_t ucp_ep_close_nbx(ucp_ep_h ep, const ucp_request_para
   return r;
 }
 
-// Fails the n-th get request sent from now (1-based; 0: none) at once, as UCX does when
-// it cannot even start a send.
-std::atomic<int> g_fail_get_request{0};
+// Fails the n-th send of active message g_fail_send_id from now (1-based; 0: none) at
+// once, as UCX does when it cannot even start a send.
+std::atomic<int> g_fail_send{0};
+std::atomic<unsigned> g_fail_send_id{0};
 extern "C" ucs_status_ptr_t ucp_am_send_nbx(ucp_ep_h ep, unsigned id, const void* header,
                                             size_t header_length, const void* buffer,
                                             size_t count, const ucp_request_param_t* param) {
   using Fn = ucs_status_ptr_t (*)(ucp_ep_h, unsigned, const void*, size_t, const void*, size_t,
                                   const ucp_request_param_t*);
   static const Fn real = reinterpret_cast<Fn>(dlsym(RTLD_NEXT, "ucp_am_send_nbx"));
-  if (id == kvpool::transport::kAmGetReq && g_fail_get_request.load() > 0 &&
-      g_fail_get_request.fetch_sub(1) == 1) {
+  if (id == g_fail_send_id.load() && g_fail_send.load() > 0 && g_fail_send.fetch_sub(1) == 1) {
     return UCS_STATUS_PTR(UCS_ERR_NO_RESOURCE);
   }
   return real(ep, id, header, header_length, buffer, count, param);
@@ -355,10 +355,17 @@ TEST_P(TransportTest, RefusesBadDescriptorsBeforeMovingBytes) {
 
 // The owner counts a refusal when its reply's send completes, which can come after the
 // initiator has the reply (seen under load: 0 counted right after the batch failed).
-uint64_t RefusedEventually(const Worker& owner, uint64_t want) {
+// Likewise for a served request (counted when the answer's send completes).
+uint64_t CountEventually(const Worker& owner, uint64_t WorkerStats::*count, uint64_t want) {
   const absl::Time end = absl::Now() + absl::Seconds(10);
-  while (owner.stats().am_requests_refused < want && absl::Now() < end) absl::SleepFor(absl::Milliseconds(1));
-  return owner.stats().am_requests_refused;
+  while (owner.stats().*count < want && absl::Now() < end) absl::SleepFor(absl::Milliseconds(1));
+  return owner.stats().*count;
+}
+uint64_t RefusedEventually(const Worker& owner, uint64_t want) {
+  return CountEventually(owner, &WorkerStats::am_requests_refused, want);
+}
+uint64_t ServedEventually(const Worker& owner, uint64_t want) {
+  return CountEventually(owner, &WorkerStats::am_requests_served, want);
 }
 
 // The owner checks what it is asked for: an initiator with a forged descriptor (a larger
@@ -381,9 +388,10 @@ TEST_P(TransportTest, OwnerRefusesSegmentsOutsideItsArena) {
   EXPECT_GE(RefusedEventually(*owner_, 2), 2u);
 }
 
-// A batch of several AM messages whose first message is refused fails at once; the
-// acks of its other messages still arrive afterwards and count down, so the batch is
-// released (before, they were dropped and the batch stayed in flight for good).
+// A batch of several AM messages whose first message is refused fails at once and is
+// released once its other messages are sent (before, the acks of those messages were
+// dropped and the batch stayed in flight for good; a put of several messages is now
+// answered once, by that refusal).
 TEST_P(TransportTest, RefusedMessageReleasesItsBatchOnceTheOthersAnswer) {
   if (ep_->protocol() != Protocol::kActiveMessage) GTEST_SKIP() << "owner-side check is AM only";
   RemoteArena forged = remote_;
@@ -407,6 +415,51 @@ TEST_P(TransportTest, RefusedMessageReleasesItsBatchOnceTheOthersAnswer) {
   FillPattern(client_arena_->Page(1), 21, 0);
   ASSERT_TRUE(Await(ep_->Put({{Local({1}), Remote({300, 301})}})).ok());
   EXPECT_EQ(client_->stats().batches_in_flight, 0u);
+}
+
+// A put of several AM messages is answered once (AmHeader::num_parts), after its last
+// message landed: one ack for eight 64 KiB messages, every byte in place when the batch
+// completes, nothing written between the segments; a put with two messages outside the
+// arena is refused once, and the endpoint keeps serving.
+TEST_P(TransportTest, PutOfSeveralMessagesIsAnsweredOnce) {
+  if (ep_->protocol() != Protocol::kActiveMessage) GTEST_SKIP() << "owner-side acks are AM only";
+  constexpr uint64_t kMsgs = 8, kSeg = 64 << 10, kStride = 32;  // owner pages per message slot
+  std::vector<uint64_t> lp(kClientPages), rp;
+  std::iota(lp.begin(), lp.end(), 0);
+  for (uint64_t m = 0; m < kMsgs; ++m) {
+    for (uint64_t i = 0; i < kSeg / kOwnerPage; ++i) rp.push_back(kStride * m + i);
+  }
+  FillPattern({client_mem_.data(), client_mem_.size()}, 41, 0);
+  std::memset(owner_arena_->base(), 0, owner_arena_->size());
+  const uint64_t served = owner_->stats().am_requests_served;
+  ASSERT_TRUE(Await(ep_->Put({{Local(lp), Remote(rp)}})).ok());
+  for (uint64_t m = 0; m < kMsgs; ++m) {
+    std::byte* at = owner_arena_->Page(kStride * m).data();
+    EXPECT_EQ(FirstMismatch({at, kSeg}, 41, m * kSeg), -1) << "message " << m;
+    EXPECT_EQ(std::count(at + kSeg, at + kStride * kOwnerPage, std::byte{0}),
+              static_cast<std::ptrdiff_t>(kStride * kOwnerPage - kSeg))
+        << "after message " << m;
+  }
+  EXPECT_EQ(ServedEventually(*owner_, served + 1), served + 1);
+
+  RemoteArena forged = remote_;
+  forged.size *= 4;
+  ASSERT_TRUE(ep_->ImportArena(forged).ok());
+  std::vector<uint64_t> bad = rp;
+  for (uint64_t m : {2, 5}) {
+    for (uint64_t i = 0; i < kSeg / kOwnerPage; ++i) bad[m * (kSeg / kOwnerPage) + i] = 2 * kOwnerPages + kStride * m + i;
+  }
+  const uint64_t refused = owner_->stats().am_requests_refused;
+  absl::Status s = Await(ep_->Put({{Local(lp), Remote(bad)}}));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  const absl::Time end = absl::Now() + absl::Seconds(10);
+  while (client_->stats().batches_in_flight != 0 && absl::Now() < end) absl::SleepFor(absl::Milliseconds(1));
+  EXPECT_EQ(client_->stats().batches_in_flight, 0u);
+  EXPECT_EQ(RefusedEventually(*owner_, refused + 1), refused + 1);
+  EXPECT_EQ(owner_->stats().am_requests_served, served + 1);
+  EXPECT_TRUE(ep_->health().ok()) << ep_->health();
+  ASSERT_TRUE(Await(ep_->Put({{Local(lp), Remote(rp)}})).ok());
+  EXPECT_EQ(ServedEventually(*owner_, served + 2), served + 2);
 }
 
 // A get whose second message is refused (the owner stopped serving that arena) fails,
@@ -486,6 +539,18 @@ class RawAmPeer {
       return UCS_OK;
     };
     EXPECT_EQ(ucp_worker_set_am_recv_handler(worker_, &hp), UCS_OK);
+    // As an initiator: the answers of a kvpool owner (small payloads only: eager).
+    hp.id = kAmGetResp;
+    hp.cb = [](void* arg, const void* header, size_t header_len, void*, size_t len,
+               const ucp_am_recv_param_t*) -> ucs_status_t {
+      AmHeader h{};
+      if (header_len >= sizeof(h)) {
+        std::memcpy(&h, header, sizeof(h));
+        static_cast<RawAmPeer*>(arg)->responses_.push_back({h, len});
+      }
+      return UCS_OK;
+    };
+    EXPECT_EQ(ucp_worker_set_am_recv_handler(worker_, &hp), UCS_OK);
     ucp_address_t* a = nullptr;
     size_t len = 0;
     EXPECT_EQ(ucp_worker_get_address(worker_, &a, &len), UCS_OK);
@@ -546,8 +611,22 @@ class RawAmPeer {
     while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(worker_);
     ucp_request_free(r);
   }
+  // Sends a kAmGetReq as an initiator would (header: AmHeader, segments, counts).
+  void Request(ucp_ep_h ep, AmHeader h, const std::vector<WireSeg>& segs,
+               const std::vector<uint32_t>& counts) {
+    std::string hdr(sizeof(h) + segs.size() * sizeof(WireSeg) + counts.size() * sizeof(uint32_t), '\0');
+    std::memcpy(hdr.data(), &h, sizeof(h));
+    std::memcpy(hdr.data() + sizeof(h), segs.data(), segs.size() * sizeof(WireSeg));
+    std::memcpy(hdr.data() + sizeof(h) + segs.size() * sizeof(WireSeg), counts.data(),
+                counts.size() * sizeof(uint32_t));
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_AM_SEND_FLAG_REPLY;
+    Wait(ucp_am_send_nbx(ep, kAmGetReq, hdr.data(), hdr.size(), nullptr, 0, &p));
+  }
   const std::string& address() const { return address_; }
   std::vector<std::pair<ucp_ep_h, AmHeader>> requests_;
+  std::vector<std::pair<AmHeader, size_t>> responses_;  // header, payload bytes
 
  private:
   ucp_context_h ctx_ = nullptr;
@@ -593,7 +672,8 @@ TEST_P(TransportTest, RepliesCountOnlyFromTheBatchsPeerAndOncePerMessage) {
   peer.requests_.clear();
   std::promise<absl::Status> p2;
   std::future<absl::Status> f2 = p2.get_future();
-  // Two 64 KiB segments (local pages 0-7 and 8-15, remote 0-15 and 32-47): two messages.
+  // Two 64 KiB segments (local pages 0-7 and 8-15, remote 0-15 and 32-47): two messages,
+  // asked for in one request.
   std::vector<uint64_t> l0(8), l1(8), r0(16), r1(16);
   std::iota(l0.begin(), l0.end(), 0);
   std::iota(l1.begin(), l1.end(), 8);
@@ -601,14 +681,59 @@ TEST_P(TransportTest, RepliesCountOnlyFromTheBatchsPeerAndOncePerMessage) {
   std::iota(r1.begin(), r1.end(), 32);
   ASSERT_TRUE(ep->GetAsync({{Local(l0), Remote(r0)}, {Local(l1), Remote(r1)}},
                            [&](absl::Status s) { p2.set_value(std::move(s)); }).ok());
-  for (int i = 0; i < 2000 && peer.requests_.size() < 2; ++i) peer.Progress(absl::Milliseconds(1));
-  ASSERT_EQ(peer.requests_.size(), 2u);
+  for (int i = 0; i < 2000 && peer.requests_.empty(); ++i) peer.Progress(absl::Milliseconds(1));
+  ASSERT_EQ(peer.requests_.size(), 1u);
   const auto [reply_ep, h0] = peer.requests_[0];
+  ASSERT_EQ(h0.num_parts, 2u);
   for (int i = 0; i < 2; ++i) {
     peer.Reply(reply_ep, h0.batch_id, h0.part, std::vector<std::byte>(8 * kClientPage, std::byte{0x33}));
   }
   s = peer.Await(f2);
   EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+}
+
+// A get request that asks for several messages is answered per message; one whose
+// segment counts do not add up, or name an empty message, is refused for every message
+// it names, and nothing is sent from the arena.
+TEST_P(TransportTest, OwnerChecksTheMessagesOfAGetRequest) {
+  if (std::string(GetParam().tls) != "tcp") GTEST_SKIP() << "the raw peer speaks tcp";
+  RawAmPeer peer;
+  ucp_ep_h ep = peer.Connect(owner_->address());
+  std::vector<WireSeg> segs(3);
+  for (uint64_t i = 0; i < 3; ++i) segs[i] = {remote_.arena_id, 0, 2 * i * kOwnerPage, kOwnerPage};
+  struct Case {
+    const char* what;
+    std::vector<uint32_t> counts;
+    bool ok;
+  };
+  const Case cases[] = {{"1 + 2 segments", {1, 2}, true},
+                        {"counts add up to 2 of 3", {1, 1}, false},
+                        {"an empty message", {3, 0}, false}};
+  uint64_t batch = 100;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    peer.responses_.clear();
+    AmHeader h{};
+    h.batch_id = ++batch;
+    h.part = 5;
+    h.num_segs = 3;
+    h.num_parts = static_cast<uint32_t>(c.counts.size());
+    peer.Request(ep, h, segs, c.counts);
+    for (int i = 0; i < 5000 && peer.responses_.size() < 2; ++i) peer.Progress(absl::Milliseconds(1));
+    ASSERT_EQ(peer.responses_.size(), 2u);
+    for (uint32_t m = 0; m < 2; ++m) {
+      const auto& [rh, len] = peer.responses_[m];
+      EXPECT_EQ(rh.batch_id, batch);
+      EXPECT_EQ(rh.part, 5 + m);
+      if (c.ok) {
+        EXPECT_EQ(rh.status, 0u);
+        EXPECT_EQ(len, c.counts[m] * kOwnerPage);
+      } else {
+        EXPECT_EQ(rh.status, static_cast<uint32_t>(absl::StatusCode::kInvalidArgument));
+        EXPECT_EQ(len, 0u);
+      }
+    }
+  }
 }
 
 // Closing an endpoint never leaves UCX's answer unread: UCX 1.13 refuses to force-close
@@ -632,25 +757,39 @@ TEST_P(TransportTest, ClosingAnEndpointIsAcceptedByUcx) {
 
 // A message whose send fails at once gets no reply: the batch must not wait for one. It
 // fails at once and is released when the other messages are answered (before, the reply
-// stayed counted: the batch was held until the deadline closed its endpoint).
+// stayed counted: the batch was held until the deadline closed its endpoint). A get of
+// two requests whose second cannot be sent, and a put of two messages (answered once,
+// so the owner never sends that answer) whose second cannot be sent.
 TEST_P(TransportTest, MessageThatCannotBeSentIsNotAwaited) {
   if (ep_->protocol() != Protocol::kActiveMessage) GTEST_SKIP() << "AM only";
-  // Two 64 KiB segments: two messages.
+  // Get: 64 segments of 4 KiB (every other owner page: one gathered message, a request
+  // of its own at kMaxSegsPerMsg segments) then one of 64 KiB: two requests.
+  std::vector<uint64_t> lg(40), rg;
+  std::iota(lg.begin(), lg.end(), 0);
+  for (uint64_t i = 0; i < 64; ++i) rg.push_back(2 * i);
+  for (uint64_t i = 0; i < 16; ++i) rg.push_back(200 + i);
+  // Put: two 64 KiB segments, two messages.
   std::vector<uint64_t> l0(8), l1(8), r0(16), r1(16);
   std::iota(l0.begin(), l0.end(), 0);
   std::iota(l1.begin(), l1.end(), 8);
   std::iota(r0.begin(), r0.end(), 0);
   std::iota(r1.begin(), r1.end(), 32);
-  g_fail_get_request.store(2);
-  const absl::Time start = absl::Now();
-  absl::Status s = Await(ep_->Get({{Local(l0), Remote(r0)}, {Local(l1), Remote(r1)}}));
-  g_fail_get_request.store(0);
-  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;  // UCS_ERR_NO_RESOURCE
-  const absl::Time end = absl::Now() + absl::Seconds(10);
-  while (client_->stats().batches_in_flight != 0 && absl::Now() < end) absl::SleepFor(absl::Milliseconds(1));
-  EXPECT_EQ(client_->stats().batches_in_flight, 0u);
-  EXPECT_LT(absl::Now() - start, absl::Seconds(2));  // well before the 3 s deadline
-  EXPECT_TRUE(ep_->health().ok()) << ep_->health();
+  for (const bool put : {false, true}) {
+    SCOPED_TRACE(put ? "put" : "get");
+    g_fail_send_id.store(put ? kAmPut : kAmGetReq);
+    g_fail_send.store(2);
+    const absl::Time start = absl::Now();
+    absl::Status s = put ? Await(ep_->Put({{Local(l0), Remote(r0)}, {Local(l1), Remote(r1)}}))
+                         : Await(ep_->Get({{Local(lg), Remote(rg)}}));
+    const int left = g_fail_send.exchange(0);
+    EXPECT_EQ(left, 0) << "the second send was not made";
+    EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;  // UCS_ERR_NO_RESOURCE
+    const absl::Time end = absl::Now() + absl::Seconds(10);
+    while (client_->stats().batches_in_flight != 0 && absl::Now() < end) absl::SleepFor(absl::Milliseconds(1));
+    EXPECT_EQ(client_->stats().batches_in_flight, 0u);
+    EXPECT_LT(absl::Now() - start, absl::Seconds(2));  // well before the 3 s deadline
+    EXPECT_TRUE(ep_->health().ok()) << ep_->health();
+  }
 }
 
 // The owner fails to receive a put (ucp_am_recv_data_nbx fails) while the initiator is

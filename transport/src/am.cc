@@ -5,12 +5,15 @@
 //                                              rendezvous: ucp_am_recv_data_nbx(iov of
 //                                              its pages); eager: memcpy
 //                                           <- kAmPutAck [batch, part, status]
+//                                              (a batch of several messages: one ack,
+//                                              part = num_parts, once all have landed)
 //   kAmGetReq [hdr: batch, part, segs]      -> validate; reply with its pages as iov
 //   recv in place (rndv) or memcpy (eager)  <- kAmGetResp [batch, part, status] + data
 //
 // The owner never trusts the header: every segment is checked against a live arena
 // before a byte moves. Callbacks never block: replies are non-blocking sends whose
 // state (header, iov, arena references) lives in an OwnerOp until UCX completes it.
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -174,15 +177,96 @@ void WorkerImpl::OwnerPutReceived(OwnerOp* op, ucs_status_t status) {
   if (status != UCS_OK && EndpointFailed(status)) {
     // The initiator is gone (or its endpoint is): its endpoint fails the batch; a reply
     // could not be delivered and reply_ep may no longer be valid.
+    if (op->header.num_parts > 1) {
+      PutPartDone(op->reply_ep, op->header, FromUcs(status, "owner receiving the put"),
+                  /*reply=*/false);
+    }
     OwnerOpDone(false);
     return;
   }
   --owner_inflight_;  // the receive; the ack counts on its own
+  if (op->header.num_parts > 1) {
+    PutPartDone(op->reply_ep, op->header, FromUcs(status, "owner receiving the put"));
+    return;
+  }
   // Any other failure (no memory, a bad buffer, ...) leaves a live initiator waiting for
   // this ack: refuse the message rather than let its batch run into the deadline and its
   // endpoint be closed.
   SendOwnerReply(op->reply_ep, kAmPutAck, op->header.batch_id, op->header.part,
                  FromUcs(status, "owner receiving the put"), {}, {});
+}
+
+void WorkerImpl::PutPartDone(ucp_ep_h reply_ep, const AmHeader& h, const absl::Status& status,
+                              bool reply) {
+  auto [it, fresh] = pending_puts_.try_emplace(std::make_pair(reply_ep, h.batch_id));
+  PendingPut& pp = it->second;
+  if (fresh) pp.seen.assign(h.num_parts, false);
+  pp.last = absl::Now();
+  absl::Status st = status;
+  if (st.ok() && (h.num_parts != pp.seen.size() || h.part >= pp.seen.size() || pp.seen[h.part])) {
+    st = absl::InvalidArgumentError(absl::StrCat("message ", h.part, " of ", h.num_parts,
+                                                 " does not fit its batch"));
+  }
+  if (h.part < pp.seen.size() && !pp.seen[h.part]) {
+    pp.seen[h.part] = true;
+    ++pp.landed;
+  }
+  if (!st.ok() && !pp.refused) {
+    pp.refused = true;
+    if (reply) SendOwnerReply(reply_ep, kAmPutAck, h.batch_id, h.part, st, {}, {});
+  }
+  if (pp.landed < pp.seen.size()) return;
+  if (!pp.refused) {
+    SendOwnerReply(reply_ep, kAmPutAck, h.batch_id, static_cast<uint32_t>(pp.seen.size()),
+                   absl::OkStatus(), {}, {});
+  }
+  pending_puts_.erase(it);
+}
+
+void WorkerImpl::SweepPendingPuts() {
+  const absl::Time now = absl::Now();
+  if (now < next_pending_sweep_) return;
+  next_pending_sweep_ = now + absl::Seconds(1);
+  absl::erase_if(pending_puts_, [&](const auto& e) { return now - e.second.last > kPendingPutTtl; });
+}
+
+void WorkerImpl::ServeGet(ucp_ep_h reply_ep, const AmHeader& h, const void* header,
+                          size_t header_len) {
+  const uint32_t parts = std::max(1u, h.num_parts);
+  const char* at = static_cast<const char*>(header) + sizeof(AmHeader);
+  std::vector<uint32_t> counts;
+  absl::Status st;
+  if (parts > kMaxSegsPerMsg || h.num_segs > kMaxSegsPerMsg ||
+      header_len != sizeof(AmHeader) + uint64_t{h.num_segs} * sizeof(WireSeg) +
+                        (h.num_parts > 0 ? uint64_t{parts} * sizeof(uint32_t) : 0)) {
+    st = absl::InvalidArgumentError("malformed transfer header");
+  } else if (h.num_parts == 0) {
+    counts.push_back(h.num_segs);
+  } else {
+    counts.resize(parts);
+    std::memcpy(counts.data(), at + uint64_t{h.num_segs} * sizeof(WireSeg), parts * sizeof(uint32_t));
+    uint64_t sum = 0;
+    for (uint32_t c : counts) sum += c;
+    if (sum != h.num_segs || std::find(counts.begin(), counts.end(), 0u) != counts.end()) {
+      st = absl::InvalidArgumentError("malformed transfer header: message segment counts");
+    }
+  }
+  if (!st.ok()) {
+    for (uint32_t i = 0; i < std::min(parts, kMaxSegsPerMsg); ++i) {
+      SendOwnerReply(reply_ep, kAmGetResp, h.batch_id, h.part + i, st, {}, {});
+    }
+    return;
+  }
+  const auto* segs = reinterpret_cast<const WireSeg*>(at);
+  for (uint32_t i = 0; i < parts; ++i) {
+    std::vector<ucp_dt_iov_t> iov;
+    std::vector<std::shared_ptr<Arena>> hold;
+    absl::Status s = ResolveOwnerSegments(segs, counts[i], UINT64_MAX, &iov, &hold);
+    if (!s.ok()) iov.clear();
+    SendOwnerReply(reply_ep, kAmGetResp, h.batch_id, h.part + i, std::move(s), std::move(iov),
+                   std::move(hold));
+    segs += counts[i];
+  }
 }
 
 ucs_status_t WorkerImpl::OnAm(unsigned id, const void* header, size_t header_len, void* data,
@@ -199,6 +283,11 @@ ucs_status_t WorkerImpl::OnAm(unsigned id, const void* header, size_t header_len
   // Owner side.
   if (!has_reply) return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
   ucp_ep_h reply_ep = param->reply_ep;
+  if (id == kAmGetReq) {
+    ServeGet(reply_ep, h, header, header_len);
+    return UCS_OK;
+  }
+  // kAmPut
   std::vector<ucp_dt_iov_t> iov;
   std::vector<std::shared_ptr<Arena>> hold;
   absl::Status st;
@@ -207,22 +296,28 @@ ucs_status_t WorkerImpl::OnAm(unsigned id, const void* header, size_t header_len
   } else {
     const auto* segs =
         reinterpret_cast<const WireSeg*>(static_cast<const char*>(header) + sizeof(AmHeader));
-    st = ResolveOwnerSegments(segs, h.num_segs, id == kAmPut ? len : UINT64_MAX, &iov, &hold);
+    st = ResolveOwnerSegments(segs, h.num_segs, len, &iov, &hold);
   }
-  if (id == kAmGetReq) {
-    if (!st.ok()) iov.clear();
-    SendOwnerReply(reply_ep, kAmGetResp, h.batch_id, h.part, st, std::move(iov),
-                   std::move(hold));
-    return UCS_OK;
+  const bool one_reply = h.num_parts > 1;
+  if (st.ok() && h.num_parts > kMaxPartsPerBatch) {
+    st = absl::InvalidArgumentError(
+        absl::StrCat("a batch of ", h.num_parts, " messages (at most ", kMaxPartsPerBatch, ")"));
   }
-  // kAmPut
   if (!st.ok()) {
-    SendOwnerReply(reply_ep, kAmPutAck, h.batch_id, h.part, st, {}, {});
+    if (one_reply && h.num_parts <= kMaxPartsPerBatch) {
+      PutPartDone(reply_ep, h, st);
+    } else {
+      SendOwnerReply(reply_ep, kAmPutAck, h.batch_id, h.part, st, {}, {});
+    }
     return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
   }
   if (!rndv) {
     CopyIn(iov, data);
-    SendOwnerReply(reply_ep, kAmPutAck, h.batch_id, h.part, absl::OkStatus(), {}, {});
+    if (one_reply) {
+      PutPartDone(reply_ep, h, absl::OkStatus());
+    } else {
+      SendOwnerReply(reply_ep, kAmPutAck, h.batch_id, h.part, absl::OkStatus(), {}, {});
+    }
     return UCS_OK;
   }
   auto* op = new OwnerOp();
@@ -261,8 +356,16 @@ ucs_status_t WorkerImpl::OnInitiatorReply(unsigned id, const AmHeader& h, void* 
   // Batch ids are sequential, hence guessable: only the peer the batch went to may answer
   // it, once per message (a duplicate would count down another message's reply).
   if (reply_ep == nullptr || reply_ep != b.ep->ep_) return UCS_OK;
-  if (h.part >= b.answered.size() || b.answered[h.part]) return UCS_OK;
-  b.answered[h.part] = true;
+  size_t slot = h.part;
+  if (b.one_reply) {
+    // One ack for the batch (part == its number of messages), or a refusal of one part.
+    const bool whole = h.part == b.iovs.size() && h.status == 0;
+    const bool refusal = h.part < b.iovs.size() && h.status != 0;
+    if (id != kAmPutAck || !(whole || refusal)) return UCS_OK;
+    slot = 0;
+  }
+  if (slot >= b.answered.size() || b.answered[slot]) return UCS_OK;
+  b.answered[slot] = true;
   --b.replies_awaited;
   if (b.finished) {
     // A reply to a batch that already failed (another part refused, a timeout): it only

@@ -55,8 +55,18 @@ struct AmHeader {
   uint32_t part;     // message index within the batch (a batch may need several)
   uint32_t status;   // absl::StatusCode for acks/responses
   uint32_t num_segs; // followed by num_segs WireSeg
-  uint32_t pad;
+  // kAmPut: the batch's number of messages when the owner answers the batch once (> 1):
+  // one kAmPutAck with part == num_parts after every message landed, or one refusal
+  // naming the first part refused. 0: a kAmPutAck per message.
+  // kAmGetReq: the messages asked for (> 1: parts part .. part + num_parts - 1, and the
+  // segments are followed by num_parts uint32 segment counts, one per message), each
+  // answered by its own kAmGetResp. 0: one message.
+  uint32_t num_parts;
 };
+// The most messages a batch answered once may have (the owner tracks each one).
+inline constexpr uint32_t kMaxPartsPerBatch = 1u << 20;
+// The most segments in one message's (or one get request's) header.
+inline constexpr uint32_t kMaxSegsPerMsg = 64;
 struct WireSeg {
   uint32_t arena_id;
   uint32_t pad;
@@ -146,8 +156,11 @@ struct Batch {
   // nothing outstanding: UCX no longer writes into or reads from the caller's pages);
   // early only for an endpoint UCX cannot cancel (see CheckDeadlines).
   bool delivered = false;
-  // AM: per message, its reply arrived (a duplicate must not count down another's).
+  // AM: per message, its reply arrived (a duplicate must not count down another's). A put
+  // of several messages awaits one reply for the batch (one_reply, AmHeader::num_parts):
+  // then answered has one entry.
   std::vector<bool> answered;
+  bool one_reply = false;
   // AM: per-message local iovs and headers (alive until the message completes).
   std::vector<std::vector<ucp_dt_iov_t>> iovs;
   std::vector<std::string> headers;
@@ -297,8 +310,19 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   void SendOwnerReply(ucp_ep_h reply_ep, unsigned id, uint64_t batch_id, uint32_t part,
                       absl::Status status, std::vector<ucp_dt_iov_t> iov,
                       std::vector<std::shared_ptr<Arena>> hold);
+  // Owner: answers a kAmGetReq, one kAmGetResp per message it asks for.
+  void ServeGet(ucp_ep_h reply_ep, const AmHeader& h, const void* header, size_t header_len);
   ucs_status_t OnInitiatorReply(unsigned id, const AmHeader& h, void* data, size_t len,
                                 bool rndv, ucp_ep_h reply_ep);
+  // Owner side of a put answered once (AmHeader::num_parts > 1): one message of it has
+  // landed (status OK), was refused (the first refusal is answered, later ones are not),
+  // or its initiator's endpoint failed (reply false: nothing is answered any more).
+  // After the last message, an OK batch gets its one kAmPutAck.
+  void PutPartDone(ucp_ep_h reply_ep, const AmHeader& h, const absl::Status& status,
+                   bool reply = true);
+  // Drops the records of puts whose messages stopped coming (a dead or timed-out
+  // initiator) after kPendingPutTtl without one.
+  void SweepPendingPuts();
 
   std::thread thread_;
   int epfd_ = -1;
@@ -318,6 +342,19 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   void CloseUcpEp(const std::shared_ptr<EndpointImpl>& ep);
   std::vector<std::shared_ptr<EndpointImpl>> to_close_;
   int owner_inflight_ = 0;  // owner-side AM receives/sends not yet complete
+  // Owner side: puts answered once whose messages have not all landed, by (the
+  // initiator's reply endpoint, its batch id). Batch ids start at a random value per
+  // worker, so another initiator that gets a dead one's endpoint address does not meet
+  // its records.
+  struct PendingPut {
+    uint32_t landed = 0;    // messages landed or refused
+    bool refused = false;   // answered with a refusal (or the initiator is gone)
+    absl::Time last;        // the last message
+    std::vector<bool> seen;  // per message (size: num_parts)
+  };
+  absl::flat_hash_map<std::pair<ucp_ep_h, uint64_t>, PendingPut> pending_puts_;
+  absl::Time next_pending_sweep_ = absl::InfinitePast();
+  static constexpr absl::Duration kPendingPutTtl = absl::Minutes(5);
   // Imports replaced by a re-import or of closed endpoints, under ucx_mu_ (like every
   // rkey). Only batches can hold another reference to them, and batches are freed under
   // ucx_mu_ too: one whose use_count() is 1 is unused and is destroyed by SweepRkeys.

@@ -8,7 +8,8 @@
 //     RMA:  ucp_put_nbx / ucp_get_nbx per segment (+ ucp_ep_flush_nbx for put, so OK
 //           means the bytes are visible remotely)
 //     AM:   per message of <= kMaxSegsPerMsg segments, put: kAmPut(header=remote segs,
-//           payload=iov of local segs) then wait for kAmPutAck; get: kAmGetReq then
+//           payload=iov of local segs) then wait for kAmPutAck (one per batch of several
+//           messages); get: kAmGetReq then
 //           receive kAmGetResp's payload in place (rendezvous: ucp_am_recv_data_nbx).
 //   Every UCX request and every awaited reply counts in Batch::outstanding; the batch
 //   finishes (its status is fixed) at the first error or when outstanding drops to 0,
@@ -30,6 +31,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <future>
+#include <random>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -41,7 +43,6 @@
 namespace kvpool::transport {
 namespace {
 
-constexpr uint32_t kMaxSegsPerMsg = 64;
 // Pieces shown to a ByteObserver on the one-sided copy path: small enough to be still
 // in L1/L2 when the observer reads them right after the copy.
 constexpr uint64_t kObservePiece = 16 << 10;
@@ -243,6 +244,11 @@ absl::Status WorkerImpl::Start() {
   wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // every call holds ucx_mu_
   auto ctx = static_cast<ucp_context_h>(context_->raw());
   RETURN_IF_ERROR(FromUcs(ucp_worker_create(ctx, &wp, &worker_), "ucp_worker_create"));
+  {
+    // Batch ids start at a random value (see WorkerImpl::pending_puts_).
+    std::random_device rd;
+    next_batch_ = (uint64_t{rd()} << 32) | rd();
+  }
 
   ucp_address_t* addr = nullptr;
   size_t addr_len = 0;
@@ -429,6 +435,7 @@ void WorkerImpl::Loop() {
     ReapClosedEndpoints();
     if (!batches_.empty()) CheckDeadlines();
     if (!retired_.empty()) SweepRkeys();
+    if (!pending_puts_.empty()) SweepPendingPuts();
     inflight = !batches_.empty() || owner_inflight_ > 0;
     busy = inflight || !closing_reqs_.empty();
     was_inflight = busy;
@@ -1040,28 +1047,60 @@ void WorkerImpl::StartAm(Batch& b) {
     i += n;
   }
   const size_t nmsg = msgs.size();
-  b.headers.resize(nmsg);
   b.iovs.resize(nmsg);
-  b.answered.assign(nmsg, false);
   for (size_t m = 0; m < nmsg; ++m) {
     const auto [first, n] = msgs[m];
+    b.iovs[m].resize(n);
+    for (size_t i = 0; i < n; ++i) b.iovs[m][i] = {b.segs[first + i].local, b.segs[first + i].len};
+  }
+  // A put of several messages is answered once, after its last message landed, and a get
+  // asks for consecutive messages in one request of at most kMaxSegsPerMsg segments: over
+  // tcp a reply or a request per message is one more small message (a send and a receive
+  // system call on each side) for every 64 KiB moved.
+  b.one_reply = b.dir == Direction::kPut && nmsg > 1 && nmsg <= kMaxPartsPerBatch;
+  b.answered.assign(b.one_reply ? 1 : nmsg, false);
+  if (b.one_reply) {
+    ++b.outstanding;  // the batch's ack
+    ++b.replies_awaited;
+  }
+  std::vector<std::pair<size_t, size_t>> reqs;  // messages [first, first + n) per send
+  for (size_t m = 0, segs = 0; m < nmsg; ++m) {
+    const size_t n = msgs[m].second;
+    if (b.dir == Direction::kGet && !reqs.empty() && segs + n <= kMaxSegsPerMsg) {
+      ++reqs.back().second;
+      segs += n;
+    } else {
+      reqs.emplace_back(m, 1);
+      segs = n;
+    }
+  }
+  b.headers.resize(reqs.size());
+  for (size_t q = 0; q < reqs.size(); ++q) {
+    const auto [m0, k] = reqs[q];
+    const size_t first = msgs[m0].first;
+    const size_t nsegs = msgs[m0 + k - 1].first + msgs[m0 + k - 1].second - first;
     AmHeader h{};
     h.batch_id = b.id;
-    h.part = static_cast<uint32_t>(m);
-    h.num_segs = static_cast<uint32_t>(n);
-    std::string& hdr = b.headers[m];
-    hdr.resize(sizeof(AmHeader) + n * sizeof(WireSeg));
+    h.part = static_cast<uint32_t>(m0);
+    h.num_segs = static_cast<uint32_t>(nsegs);
+    if (b.one_reply) h.num_parts = static_cast<uint32_t>(nmsg);
+    if (b.dir == Direction::kGet && k > 1) h.num_parts = static_cast<uint32_t>(k);
+    std::string& hdr = b.headers[q];
+    const size_t counts = h.num_parts > 0 && b.dir == Direction::kGet ? k : 0;
+    hdr.resize(sizeof(AmHeader) + nsegs * sizeof(WireSeg) + counts * sizeof(uint32_t));
     std::memcpy(hdr.data(), &h, sizeof(h));
-    auto& iov = b.iovs[m];
-    iov.resize(n);
-    for (size_t i = 0; i < n; ++i) {
+    for (size_t i = 0; i < nsegs; ++i) {
       const Segment& s = b.segs[first + i];
       WireSeg w{};
       w.arena_id = s.remote_arena;
       w.offset = s.remote_offset;
       w.len = s.len;
       std::memcpy(hdr.data() + sizeof(AmHeader) + i * sizeof(WireSeg), &w, sizeof(w));
-      iov[i] = {s.local, s.len};
+    }
+    for (size_t j = 0; j < counts; ++j) {
+      const auto n = static_cast<uint32_t>(msgs[m0 + j].second);
+      std::memcpy(hdr.data() + sizeof(AmHeader) + nsegs * sizeof(WireSeg) + j * sizeof(uint32_t), &n,
+                  sizeof(n));
     }
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
@@ -1069,8 +1108,11 @@ void WorkerImpl::StartAm(Batch& b) {
     p.cb.send = &SendCb;
     p.user_data = &b;
     p.flags = UCP_AM_SEND_FLAG_REPLY;
-    ++b.outstanding;  // the ack (put) or the response (get)
-    ++b.replies_awaited;
+    if (!b.one_reply) {
+      b.outstanding += static_cast<int>(k);  // the ack (put) or the responses (get)
+      b.replies_awaited += static_cast<int>(k);
+    }
+    const auto& iov = b.iovs[m0];
     ucs_status_ptr_t r;
     if (b.dir == Direction::kPut && iov.size() == 1) {
       r = ucp_am_send_nbx(b.ep->ep_, kAmPut, hdr.data(), hdr.size(), iov[0].buffer,
@@ -1083,10 +1125,15 @@ void WorkerImpl::StartAm(Batch& b) {
       r = ucp_am_send_nbx(b.ep->ep_, kAmGetReq, hdr.data(), hdr.size(), nullptr, 0, &p);
     }
     if (UCS_PTR_IS_ERR(r)) {
-      // Nothing went out: no reply will come for this message.
-      --b.outstanding;
-      --b.replies_awaited;
-      b.answered[m] = true;
+      // Nothing went out: no reply will come for these messages (nor, answered once, for
+      // the batch: the owner never sees all of it).
+      for (size_t j = 0; j < k; ++j) {
+        const size_t slot = b.one_reply ? 0 : m0 + j;
+        if (b.answered[slot]) continue;
+        --b.outstanding;
+        --b.replies_awaited;
+        b.answered[slot] = true;
+      }
     }
     Track(b, r, "ucp_am_send_nbx");
     if (b.finished) return;

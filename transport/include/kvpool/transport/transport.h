@@ -240,7 +240,7 @@ struct WorkerStats {
   uint64_t batches_failed = 0;
   uint64_t bytes_put = 0;         // initiated by this worker
   uint64_t bytes_get = 0;
-  uint64_t am_requests_served = 0;  // as the owner (AM protocol)
+  uint64_t am_requests_served = 0;  // answers sent as the owner (AM protocol; one per put batch)
   uint64_t am_requests_refused = 0;
   // Batches submitted and not yet released: UCX requests or awaited replies of theirs
   // are outstanding (a failed batch stays until UCX lets go of its buffers).
