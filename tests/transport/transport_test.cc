@@ -925,6 +925,49 @@ TEST_P(TransportTest, ObserverSeesEachOpsBytesInOrderBeforeDone) {
   EXPECT_TRUE(as_string(Gather(*client_arena_, back1)) == obj1);
 }
 
+// A get of several messages (64 KiB segments travel alone over AM, where each is shown
+// to the observer as it lands): every op's bytes in order, once, before the callback.
+TEST_P(TransportTest, ObserverSeesAGetOfManyMessagesInOrder) {
+  constexpr uint64_t kSegPages = (64 << 10) / kOwnerPage;
+  auto remote_pages = [](std::initializer_list<uint64_t> starts) {
+    std::vector<uint64_t> r;
+    for (uint64_t s : starts) {
+      for (uint64_t i = 0; i < kSegPages; ++i) r.push_back(s + i);
+    }
+    return r;
+  };
+  const std::vector<uint64_t> r0 = remote_pages({80, 0, 40}), r1 = remote_pages({160, 120});
+  std::vector<uint64_t> l0(24), l1(16);
+  std::iota(l0.begin(), l0.end(), 0);
+  std::iota(l1.begin(), l1.end(), 24);
+  FillPattern({owner_arena_->base(), owner_arena_->size()}, 77, 0);
+  std::memset(client_mem_.data(), 0, client_mem_.size());
+  auto expected = [&](const std::vector<uint64_t>& pages) {
+    std::string e;
+    for (uint64_t p : pages) e.append(reinterpret_cast<const char*>(owner_arena_->Page(p).data()), kOwnerPage);
+    return e;
+  };
+  std::vector<std::string> seen(2);
+  bool complete_at_done = false;
+  std::promise<absl::Status> p;
+  std::future<absl::Status> f = p.get_future();
+  const absl::Status s = ep_->GetAsync(
+      {{Local(l0), Remote(r0)}, {Local(l1), Remote(r1)}},
+      [&](absl::Status st) {
+        complete_at_done = seen[0].size() == r0.size() * kOwnerPage && seen[1].size() == r1.size() * kOwnerPage;
+        p.set_value(std::move(st));
+      },
+      [&](size_t op, std::span<const std::byte> bytes) {
+        if (op < seen.size()) seen[op].append(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+      });
+  ASSERT_TRUE(s.ok()) << s;
+  ASSERT_TRUE(Await(std::move(f)).ok());
+  EXPECT_TRUE(complete_at_done);
+  EXPECT_TRUE(seen[0] == expected(r0));
+  EXPECT_TRUE(seen[1] == expected(r1));
+  EXPECT_TRUE(std::string(reinterpret_cast<const char*>(client_mem_.data()), seen[0].size()) == seen[0]);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Protocols, TransportTest,
     ::testing::Values(Mode{"ShmAuto", "sm,self", Protocol::kAuto, Protocol::kRma},
