@@ -24,7 +24,7 @@
 // --best reports the fastest repetition instead of the median (A/B of kernel versions on
 // a loaded machine); --only=SHAPE (e.g. llama, deepseek) runs one shape.
 // A third probe (CPU, AVX2+FMA) counts fp32 FMA lanes per second (independent
-// _mm256_fmadd_ps chains on every thread). With each kernel's FMAs per byte (from the
+// FMA chains on every thread, of the backend's width: zmm for its AVX-512 path). With each kernel's FMAs per byte (from the
 // math; see FmaPerByte*) it gives a compute roof; every result reports
 // fraction_of_roof against min(probe, compute roof). That figure explains a shift from
 // memory- to FMA-bound shapes (llama-70b-tp8, deepseek-v3-tp8); it is not the target.
@@ -219,6 +219,10 @@ struct Probe {
   // fp32 FMA lanes per second on the backend's thread count (CPU with AVX2+FMA only;
   // 0 where there is no such probe, and then no compute roof is reported).
   double fma_lanes_per_s = 0, fma_s = 0, fma_cores = 0;
+  bool fma_zmm = false;  // _mm512_fmadd_ps chains (the backend runs AVX-512), else ymm
+  const char* FmaKind() const {
+    return fma_zmm ? "independent _mm512_fmadd_ps chains" : "independent _mm256_fmadd_ps chains";
+  }
 };
 
 uint64_t g_sink = 0;  // keeps the read probe's sums alive
@@ -270,54 +274,62 @@ void ReadAll(const void* p, size_t bytes, int threads) {
 float g_fma_sink = 0;  // keeps the FMA probe's results alive
 
 #if defined(__x86_64__) || defined(__i386__)
-// kFmaChains independent chains of _mm256_fmadd_ps, `iters` rounds: 8 * kFmaChains *
-// iters fp32 FMA lanes. 12 chains cover the FMA latency (4-5 cycles) x pipes (2) of
-// current x86 cores with registers to spare (14 of 16 ymm).
+// kFmaChains independent chains of fp32 FMAs, `iters` rounds: lanes * kFmaChains * iters
+// FMA lanes. 12 chains cover the FMA latency (4-5 cycles) x pipes (2) of current x86
+// cores with registers to spare. Two widths, since the roof must be that of the ISA the
+// backend runs: _mm256_fmadd_ps, and _mm512_fmadd_ps where the backend uses AVX-512 (on
+// this project's AVX-512 VM a zmm FMA did 1.6x the lanes per second of a ymm one, so a
+// ymm roof understated the AVX-512 kernels' compute roof).
 constexpr int kFmaChains = 12;
-__attribute__((target("avx2,fma"))) float FmaChains(int64_t iters, float seed) {
-  // Named registers, not an array: gcc at -O2 kept an array of accumulators in memory
-  // (stores in the loop), and the probe measured those instead of the FMAs.
-  const __m256 m = _mm256_set1_ps(0.9999999f), c = _mm256_set1_ps(1e-7f);  // stays near 1
-  __m256 a0 = _mm256_set1_ps(seed), a1 = _mm256_add_ps(a0, c), a2 = _mm256_add_ps(a1, c);
-  __m256 a3 = _mm256_add_ps(a2, c), a4 = _mm256_add_ps(a3, c), a5 = _mm256_add_ps(a4, c);
-  __m256 a6 = _mm256_add_ps(a5, c), a7 = _mm256_add_ps(a6, c), a8 = _mm256_add_ps(a7, c);
-  __m256 a9 = _mm256_add_ps(a8, c), a10 = _mm256_add_ps(a9, c), a11 = _mm256_add_ps(a10, c);
-  for (int64_t i = 0; i < iters; ++i) {
-    a0 = _mm256_fmadd_ps(a0, m, c);
-    a1 = _mm256_fmadd_ps(a1, m, c);
-    a2 = _mm256_fmadd_ps(a2, m, c);
-    a3 = _mm256_fmadd_ps(a3, m, c);
-    a4 = _mm256_fmadd_ps(a4, m, c);
-    a5 = _mm256_fmadd_ps(a5, m, c);
-    a6 = _mm256_fmadd_ps(a6, m, c);
-    a7 = _mm256_fmadd_ps(a7, m, c);
-    a8 = _mm256_fmadd_ps(a8, m, c);
-    a9 = _mm256_fmadd_ps(a9, m, c);
-    a10 = _mm256_fmadd_ps(a10, m, c);
-    a11 = _mm256_fmadd_ps(a11, m, c);
+// Named registers, not an array: gcc at -O2 kept an array of accumulators in memory
+// (stores in the loop), and the probe measured those instead of the FMAs.
+#define KVPOOL_FMA_CHAINS(NAME, TARGET, V, SET1, ADD, FMA, LOW)                                  \
+  __attribute__((target(TARGET))) float NAME(int64_t iters, float seed) {                        \
+    const V m = SET1(0.9999999f), c = SET1(1e-7f); /* stays near 1 */                            \
+    V a0 = SET1(seed), a1 = ADD(a0, c), a2 = ADD(a1, c), a3 = ADD(a2, c), a4 = ADD(a3, c);        \
+    V a5 = ADD(a4, c), a6 = ADD(a5, c), a7 = ADD(a6, c), a8 = ADD(a7, c), a9 = ADD(a8, c);        \
+    V a10 = ADD(a9, c), a11 = ADD(a10, c);                                                       \
+    for (int64_t i = 0; i < iters; ++i) {                                                        \
+      a0 = FMA(a0, m, c);                                                                        \
+      a1 = FMA(a1, m, c);                                                                        \
+      a2 = FMA(a2, m, c);                                                                        \
+      a3 = FMA(a3, m, c);                                                                        \
+      a4 = FMA(a4, m, c);                                                                        \
+      a5 = FMA(a5, m, c);                                                                        \
+      a6 = FMA(a6, m, c);                                                                        \
+      a7 = FMA(a7, m, c);                                                                        \
+      a8 = FMA(a8, m, c);                                                                        \
+      a9 = FMA(a9, m, c);                                                                        \
+      a10 = FMA(a10, m, c);                                                                      \
+      a11 = FMA(a11, m, c);                                                                      \
+    }                                                                                            \
+    const V s = ADD(ADD(ADD(ADD(a0, a1), ADD(a2, a3)), ADD(ADD(a4, a5), ADD(a6, a7))),           \
+                    ADD(ADD(a8, a9), ADD(a10, a11)));                                            \
+    return LOW(s);                                                                               \
   }
-  const __m256 s = _mm256_add_ps(
-      _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
-                    _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7))),
-      _mm256_add_ps(_mm256_add_ps(a8, a9), _mm256_add_ps(a10, a11)));
-  return _mm_cvtss_f32(_mm256_castps256_ps128(s));
-}
+__attribute__((target("avx2,fma"))) float Low256(__m256 v) { return _mm_cvtss_f32(_mm256_castps256_ps128(v)); }
+__attribute__((target("avx512f"))) float Low512(__m512 v) { return _mm512_cvtss_f32(v); }
+KVPOOL_FMA_CHAINS(FmaChains256, "avx2,fma", __m256, _mm256_set1_ps, _mm256_add_ps, _mm256_fmadd_ps, Low256)
+KVPOOL_FMA_CHAINS(FmaChains512, "avx512f", __m512, _mm512_set1_ps, _mm512_add_ps, _mm512_fmadd_ps, Low512)
+#undef KVPOOL_FMA_CHAINS
 
 bool HaveFma() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 
-// Runs FmaChains(iters) on `threads` threads at once; returns FMA lanes done.
-double FmaAll(int64_t iters, int threads) {
+// Runs the FMA chains of the backend's width (zmm when it describes itself as avx512)
+// on `threads` threads at once; returns FMA lanes done.
+double FmaAll(int64_t iters, int threads, bool zmm) {
+  auto chains = zmm ? &FmaChains512 : &FmaChains256;
   std::vector<float> sums(threads);
   std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back([&, t] { sums[t] = FmaChains(iters, 1.f + t); });
-  sums[0] = FmaChains(iters, 1.f);
+  for (int t = 1; t < threads; ++t) pool.emplace_back([&, t] { sums[t] = chains(iters, 1.f + t); });
+  sums[0] = chains(iters, 1.f);
   for (auto& t : pool) t.join();
   for (float x : sums) g_fma_sink += x;
-  return 8.0 * kFmaChains * static_cast<double>(iters) * threads;
+  return (zmm ? 16.0 : 8.0) * kFmaChains * static_cast<double>(iters) * threads;
 }
 #else
 bool HaveFma() { return false; }
-double FmaAll(int64_t, int) { return 0; }
+double FmaAll(int64_t, int, bool) { return 0; }
 #endif
 
 Probe MeasureProbe(KernelBackend* be, void* a, void* b, size_t bytes, bool gpu, double min_t) {
@@ -339,7 +351,8 @@ Probe MeasureProbe(KernelBackend* be, void* a, void* b, size_t bytes, bool gpu, 
     // ~10-20 ms per repetition at ~50 G lanes/s per core.
     constexpr int64_t kIters = 5'000'000;
     double lanes = 0;
-    pr.fma_s = Time(be, [&] { lanes = FmaAll(kIters, be->num_threads()); }, min_t);
+    pr.fma_zmm = be->Describe().rfind("avx512", 0) == 0 && __builtin_cpu_supports("avx512f");
+    pr.fma_s = Time(be, [&] { lanes = FmaAll(kIters, be->num_threads(), pr.fma_zmm); }, min_t);
     pr.fma_lanes_per_s = lanes / pr.fma_s;
     pr.fma_cores = g_last_cores;
   }
@@ -634,7 +647,8 @@ int Main(int argc, char** argv) {
                 "that point may run from cache; targets count only points of >= "
                 "target_min_bytes (2x the LLC, at least 64 MiB). "
                 "fraction_of_roof is explanatory, not the target: compute_roof_bytes_per_s = the fma "
-                "probe (fp32 FMA lanes/s, independent _mm256_fmadd_ps chains on every thread) / "
+                "probe (fp32 FMA lanes/s, independent FMA chains of the backend's vector width on every thread: "
+                "_mm512_fmadd_ps where it runs AVX-512, else _mm256_fmadd_ps) / "
                 "fma_per_byte (the kernel's FMAs per counted byte from the math: gqa G/esz, mla "
                 "H*(576+512)/(576*esz), kda 0.5; exps, conversions and loads not counted), "
                 "roof_bytes_per_s = min(the probe fraction_of_probe uses, compute roof).\",\n",
@@ -654,9 +668,9 @@ int Main(int argc, char** argv) {
                   pr.has_read ? "parallel read (sum)" : "copy stands in (no read probe on this backend)",
                   pr.read_s, pr.read_bw, pr.read_cores);
       if (pr.fma_lanes_per_s > 0) {
-        std::printf("\"fma\": {\"kind\": \"independent _mm256_fmadd_ps chains\", \"seconds\": %.6f, "
+        std::printf("\"fma\": {\"kind\": \"%s\", \"seconds\": %.6f, "
                     "\"fma_lanes_per_s\": %.4e, \"cpu_cores_used\": %.2f}}%s\n",
-                    pr.fma_s, pr.fma_lanes_per_s, pr.fma_cores, i + 1 < probes.size() ? "," : "");
+                    pr.FmaKind(), pr.fma_s, pr.fma_lanes_per_s, pr.fma_cores, i + 1 < probes.size() ? "," : "");
       } else {
         std::printf("\"fma\": null}%s\n", i + 1 < probes.size() ? "," : "");
       }
