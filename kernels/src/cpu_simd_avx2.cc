@@ -374,6 +374,7 @@ struct Isa {
   static constexpr int kLanes = 8;
   // Column blocks per AccumP call for 1..4 rows (16 ymm registers).
   static constexpr int kAccumCols[5] = {0, 4, 2, 1, 1};
+  static constexpr int kMaxScoreAccum = 8;  // 16 ymm registers
   static V Zero() { return _mm256_setzero_ps(); }
   static V Load(const float* p) { return _mm256_loadu_ps(p); }
   static void Store(float* p, V v) { _mm256_storeu_ps(p, v); }

@@ -20,6 +20,8 @@ struct Isa {
   // Column blocks per AccumP call for 1..4 rows (32 zmm registers: 4 rows x 2 blocks
   // keep 16 accumulators and 4 V halves).
   static constexpr int kAccumCols[5] = {0, 4, 4, 2, 2};
+  // 8 q rows x 2 tokens: 16 accumulators, 4 K halves and 2 q halves in 32 registers.
+  static constexpr int kMaxScoreAccum = 16;
   static V Zero() { return _mm512_setzero_ps(); }
   static V Load(const float* p) { return _mm512_loadu_ps(p); }
   static void Store(float* p, V v) { _mm512_storeu_ps(p, v); }

@@ -12,6 +12,7 @@
 //   HSum8(const V* a) -> __m256 the 8 lane sums of a[0..7], each in a fixed order
 //   InRegister(v)               pins v to a register (see cpu_simd_avx2.cc)
 //   kAccumCols[r]               column blocks per AccumP call for r = 1..4 rows
+//   kMaxScoreAccum              score accumulators (rows x tokens) ScoreP may hold: 8, 16
 #pragma once
 
 namespace kvpool::kernels::internal::paired {
@@ -44,7 +45,7 @@ template <typename I, int NR, int NT>
                                           float* s, int ld) {
   using V = typename I::V;
   constexpr int kB = 2 * I::kLanes;
-  static_assert(NR * NT <= 8);
+  static_assert(NR * NT <= I::kMaxScoreAccum && NR * NT <= 16);
   V acc[NR * NT];
   for (int k = 0; k < NR * NT; ++k) acc[k] = I::Zero();
   for (int i = 0; i < dim; i += kB) {
@@ -81,10 +82,15 @@ template <typename I, int NR, int NT>
       }
     }
   }
-  V all[8];
-  for (int k = 0; k < 8; ++k) all[k] = k < NR * NT ? acc[k] : I::Zero();
-  alignas(32) float out[8];
-  _mm256_store_ps(out, _mm256_mul_ps(_mm256_set1_ps(scale), I::HSum8(all)));
+  // Lane sums 8 accumulators at a time (HSum8 sums each in the same order whatever its
+  // position, so any grouping of rows and tokens gives the same bits).
+  constexpr int kGroups = (NR * NT + 7) / 8;
+  alignas(32) float out[8 * kGroups];
+  for (int g = 0; g < kGroups; ++g) {
+    V all[8];
+    for (int k = 0; k < 8; ++k) all[k] = 8 * g + k < NR * NT ? acc[8 * g + k] : I::Zero();
+    _mm256_store_ps(out + 8 * g, _mm256_mul_ps(_mm256_set1_ps(scale), I::HSum8(all)));
+  }
   for (int r = 0; r < NR; ++r) {
     for (int t = 0; t < NT; ++t) s[r * ld + t] = out[r * NT + t];
   }
@@ -103,7 +109,9 @@ void ScoreBf16P(const float* qp, int R, int dim, const void* const* rows, int T,
                 int ld) {
   int r = 0;
   // Up to 8 rows per K row load (AVX2: ~4% faster than 4 rows x 2 tokens for 8 rows).
-  for (; r + 8 <= R; r += 8) ScorePRows<I, 8, 1>(qp + r * dim, dim, rows, T, scale, s + r * ld, ld);
+  // With 32 registers (AVX-512), 8 rows x 2 tokens: each q load serves two tokens.
+  constexpr int kNT8 = I::kMaxScoreAccum >= 16 ? 2 : 1;
+  for (; r + 8 <= R; r += 8) ScorePRows<I, 8, kNT8>(qp + r * dim, dim, rows, T, scale, s + r * ld, ld);
   for (; r + 4 <= R; r += 4) ScorePRows<I, 4, 2>(qp + r * dim, dim, rows, T, scale, s + r * ld, ld);
   switch (R - r) {
     case 3: ScorePRows<I, 3, 2>(qp + r * dim, dim, rows, T, scale, s + r * ld, ld); break;
