@@ -7,7 +7,8 @@
 //                                           <- kAmPutAck [batch, part, status]
 //                                              (a batch of several messages: one ack,
 //                                              part = num_parts, once all have landed)
-//   kAmGetReq [hdr: batch, part, segs]      -> validate; reply with its pages as iov
+//   kAmGetReq [hdr: batch, part, segs,      -> validate; reply with its pages as iov,
+//              counts per message]             one kAmGetResp per message asked for
 //   recv in place (rndv) or memcpy (eager)  <- kAmGetResp [batch, part, status] + data
 //
 // The owner never trusts the header: every segment is checked against a live arena
