@@ -798,16 +798,20 @@ TEST_P(TransportTest, MessageThatCannotBeSentIsNotAwaited) {
 // the whole batch_timeout, failed with DEADLINE_EXCEEDED and its endpoint was closed).
 TEST_P(TransportTest, PutTheOwnerFailsToReceiveIsAnsweredAtOnce) {
   if (ep_->protocol() != Protocol::kActiveMessage) GTEST_SKIP() << "AM only";
-  // The whole client arena (512 KiB) into contiguous owner pages: one large message,
-  // received by rendezvous.
-  std::vector<uint64_t> lp(kClientPages), rp(kClientPages * kClientPage / kOwnerPage);
-  std::iota(lp.begin(), lp.end(), 0);
-  std::iota(rp.begin(), rp.end(), 0);
-  FillPattern({client_mem_.data(), client_mem_.size()}, 31, 0);
+  // The whole owner arena (2 MiB) from one contiguous client buffer: one message larger
+  // than kEagerMaxBytes, received by rendezvous.
+  static_assert(kOwnerPages * kOwnerPage > kEagerMaxBytes);
+  std::vector<std::byte> mem(kOwnerPages * kOwnerPage);
+  auto big = client_->RegisterArena(mem, kOwnerPage);
+  ASSERT_TRUE(big.ok()) << big.status();
+  std::vector<uint64_t> pages(kOwnerPages);
+  std::iota(pages.begin(), pages.end(), 0);
+  const TransferOp op{{(*big)->id(), pages, 0}, Remote(pages)};
+  FillPattern({mem.data(), mem.size()}, 31, 0);
   const int failed_before = g_recv_failed.load();
   g_fail_recv.store(1);
   const absl::Time start = absl::Now();
-  absl::Status s = Await(ep_->Put({{Local(lp), Remote(rp)}}));
+  absl::Status s = Await(ep_->Put({op}));
   const absl::Duration took = absl::Now() - start;
   const bool fired = g_fail_recv.exchange(0) <= 0 && g_recv_failed.load() > failed_before;
   if (!fired) GTEST_SKIP() << "the put was not received by rendezvous here: " << s;
@@ -820,8 +824,8 @@ TEST_P(TransportTest, PutTheOwnerFailsToReceiveIsAnsweredAtOnce) {
   EXPECT_GE(RefusedEventually(*owner_, 1), 1u);
   // The endpoint still serves the same put.
   std::memset(owner_arena_->base(), 0, owner_arena_->size());
-  ASSERT_TRUE(Await(ep_->Put({{Local(lp), Remote(rp)}})).ok());
-  EXPECT_EQ(FirstMismatch({owner_arena_->base(), client_mem_.size()}, 31, 0), -1);
+  ASSERT_TRUE(Await(ep_->Put({op})).ok());
+  EXPECT_EQ(FirstMismatch({owner_arena_->base(), mem.size()}, 31, 0), -1);
 }
 
 TEST_P(TransportTest, ConcurrentBatchesFromManyThreads) {

@@ -67,6 +67,10 @@ struct AmHeader {
 inline constexpr uint32_t kMaxPartsPerBatch = 1u << 20;
 // The most segments in one message's (or one get request's) header.
 inline constexpr uint32_t kMaxSegsPerMsg = 64;
+// Messages with at most this many payload bytes are sent eagerly (UCP_AM_SEND_FLAG_EAGER)
+// rather than by rendezvous: no RTS/RTR round trip per message; the receiver copies the
+// payload out of UCX's buffer while it is in cache.
+inline constexpr uint64_t kEagerMaxBytes = 1048576;
 struct WireSeg {
   uint32_t arena_id;
   uint32_t pad;
