@@ -290,18 +290,9 @@ constexpr int kFmaChains = 12;
     V a5 = ADD(a4, c), a6 = ADD(a5, c), a7 = ADD(a6, c), a8 = ADD(a7, c), a9 = ADD(a8, c);        \
     V a10 = ADD(a9, c), a11 = ADD(a10, c);                                                       \
     for (int64_t i = 0; i < iters; ++i) {                                                        \
-      a0 = FMA(a0, m, c);                                                                        \
-      a1 = FMA(a1, m, c);                                                                        \
-      a2 = FMA(a2, m, c);                                                                        \
-      a3 = FMA(a3, m, c);                                                                        \
-      a4 = FMA(a4, m, c);                                                                        \
-      a5 = FMA(a5, m, c);                                                                        \
-      a6 = FMA(a6, m, c);                                                                        \
-      a7 = FMA(a7, m, c);                                                                        \
-      a8 = FMA(a8, m, c);                                                                        \
-      a9 = FMA(a9, m, c);                                                                        \
-      a10 = FMA(a10, m, c);                                                                      \
-      a11 = FMA(a11, m, c);                                                                      \
+      a0 = FMA(a0, m, c); a1 = FMA(a1, m, c); a2 = FMA(a2, m, c); a3 = FMA(a3, m, c);            \
+      a4 = FMA(a4, m, c); a5 = FMA(a5, m, c); a6 = FMA(a6, m, c); a7 = FMA(a7, m, c);            \
+      a8 = FMA(a8, m, c); a9 = FMA(a9, m, c); a10 = FMA(a10, m, c); a11 = FMA(a11, m, c);        \
     }                                                                                            \
     const V s = ADD(ADD(ADD(ADD(a0, a1), ADD(a2, a3)), ADD(ADD(a4, a5), ADD(a6, a7))),           \
                     ADD(ADD(a8, a9), ADD(a10, a11)));                                            \

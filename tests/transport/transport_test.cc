@@ -422,7 +422,7 @@ TEST_P(TransportTest, RefusedMessageReleasesItsBatchOnceTheOthersAnswer) {
 // completes, nothing written between the segments; a put with two messages outside the
 // arena is refused once, and the endpoint keeps serving.
 TEST_P(TransportTest, PutOfSeveralMessagesIsAnsweredOnce) {
-  if (ep_->protocol() != Protocol::kActiveMessage) GTEST_SKIP() << "owner-side acks are AM only";
+  if (ep_->protocol() != Protocol::kActiveMessage) GTEST_SKIP() << "this endpoint moves bytes one-sided (RMA): the owner sends no acks to count";
   constexpr uint64_t kMsgs = 8, kSeg = 64 << 10, kStride = 32;  // owner pages per message slot
   std::vector<uint64_t> lp(kClientPages), rp;
   std::iota(lp.begin(), lp.end(), 0);
@@ -639,7 +639,7 @@ class RawAmPeer {
 // are sequential, so any peer could otherwise complete (and fill the pages of) another
 // peer's batch, and a duplicate reply would stand in for a missing one.
 TEST_P(TransportTest, RepliesCountOnlyFromTheBatchsPeerAndOncePerMessage) {
-  if (std::string(GetParam().tls) != "tcp") GTEST_SKIP() << "the raw peer speaks tcp";
+  if (std::string(GetParam().tls) != "tcp") GTEST_SKIP() << "the raw UCX test peer connects over tcp; this mode's workers have shared memory only";
   RawAmPeer peer;
   auto conn = client_->Connect(peer.address(), "raw");
   ASSERT_TRUE(conn.ok()) << conn.status();
@@ -696,7 +696,7 @@ TEST_P(TransportTest, RepliesCountOnlyFromTheBatchsPeerAndOncePerMessage) {
 // segment counts do not add up, or name an empty message, is refused for every message
 // it names, and nothing is sent from the arena.
 TEST_P(TransportTest, OwnerChecksTheMessagesOfAGetRequest) {
-  if (std::string(GetParam().tls) != "tcp") GTEST_SKIP() << "the raw peer speaks tcp";
+  if (std::string(GetParam().tls) != "tcp") GTEST_SKIP() << "the raw UCX test peer connects over tcp; this mode's workers have shared memory only";
   RawAmPeer peer;
   ucp_ep_h ep = peer.Connect(owner_->address());
   std::vector<WireSeg> segs(3);
