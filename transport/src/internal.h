@@ -183,12 +183,19 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   pid_t peer_pid_ = 0;                   // same-host peer process, 0 when unknown
   // pidfd of peer_pid_ (-1: none, or a kernel without pidfd_open): readable once the
   // peer exited. A poll on it costs ~60% of kill(pid, 0) (no LSM/audit hooks, measured
-  // ~360 vs ~600 ns here; shared memory checks once per batch) and is immune to pid reuse.
+  // ~360 vs ~600 ns once; ~1.2 us on a VM whose every system call costs ~1 us) and is
+  // immune to pid reuse.
   int peer_pidfd_ = -1;
   ~EndpointImpl();
   bool shm_lanes_ = false;               // some lane moves bytes through shared memory
-  // True when UCX cannot watch the peer and its (same-host) process has exited.
+  // True when UCX cannot watch the peer and its (same-host) process has exited. Asks the
+  // kernel at most once per kPeerCheckInterval (any thread); in between it answers from
+  // the last look, so a batch that completes less than that after the peer's exit may
+  // still succeed (its bytes did land in the mapped segment). Once gone, always gone.
   bool PeerProcessGone() const;
+  static constexpr int64_t kPeerCheckIntervalNs = 1'000'000;  // 1 ms
+  mutable std::atomic<int64_t> peer_checked_ns_{0};
+  mutable std::atomic<bool> peer_gone_{false};
 
   // Progress thread only.
   ucp_ep_h ep_ = nullptr;
