@@ -3,6 +3,7 @@
 //
 //   transport_bench [--json] [--tls "sm,cma,self;tcp"] [--arena-mib 1024] [--seconds 0.4]
 //                   [--rounds 3] [--cases 1MiB,16x64KiB] [--dirs put,get] [--window N]
+//   (--dirs runs the directions in the order named)
 //
 // For each UCX_TLS setting the bench spawns itself as the owner (`--serve`, the pool node
 // side, UCX_TLS in its environment) and drives it as the initiator, polling with
@@ -393,9 +394,13 @@ int Main(int argc, char** argv) {
     for (uint64_t i = 0; i < 16; ++i) scattered16.push_back(i * 37 % 512);
     for (uint64_t i = 0; i < 256; ++i) scattered256.push_back(i * 61 % (kSmallArena / kSmall));
 
-    for (bool put : {true, false}) {
+    // Directions in the order --dirs names them (default: put, then get).
+    std::vector<bool> dirs;
+    for (absl::string_view d : absl::StrSplit(only_dirs.empty() ? "put,get" : only_dirs, ',')) {
+      if (d == "put" || d == "get") dirs.push_back(d == "put");
+    }
+    for (bool put : dirs) {
       const std::string dir = put ? "put" : "get";
-      if (!selected(only_dirs, dir)) continue;
       struct Case {
         std::string name;
         uint64_t bytes;
