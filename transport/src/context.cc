@@ -58,6 +58,14 @@ absl::StatusOr<std::shared_ptr<Context>> Context::Create(ContextOptions options)
     st.Update(FromUcs(ucp_config_modify(config, "KEEPALIVE_INTERVAL", us.c_str()),
                       "UCX KEEPALIVE_INTERVAL"));
   }
+  // UCX 1.13 keeps keys that are not UCP's and applies them to each transport's
+  // configuration by the field's own name, without the transport's prefix
+  // ("TCP_RX_SEG_SIZE" is reported as invalid and ignored); tcp is the only transport
+  // with a field of this name.
+  if (std::getenv("UCX_TCP_RX_SEG_SIZE") == nullptr && !options.tcp_rx_seg_size.empty()) {
+    st.Update(FromUcs(ucp_config_modify(config, "RX_SEG_SIZE", options.tcp_rx_seg_size.c_str()),
+                      absl::StrCat("UCX TCP_RX_SEG_SIZE=", options.tcp_rx_seg_size)));
+  }
   for (const auto& [k, v] : options.ucx_config) {
     st.Update(FromUcs(ucp_config_modify(config, k.c_str(), v.c_str()),
                       absl::StrCat("ucx_config ", k, "=", v)));

@@ -85,6 +85,13 @@ struct ContextOptions {
   // Keepalive interval used when the environment does not set UCX_KEEPALIVE_INTERVAL;
   // bounds how long a silent peer death takes to surface as an endpoint error.
   absl::Duration keepalive_interval = absl::Seconds(1);
+  // UCX_TCP_RX_SEG_SIZE used when the environment does not set it (empty: UCX's default,
+  // 64 KiB): the most a tcp endpoint reads from its socket per recv. KV objects move in
+  // 64 KiB-1 MiB messages, and on the VMs measured every system call costs ~1 us: 1 MiB
+  // moved pool-node puts over tcp loopback from 1.75-2.01 to 2.39-2.82 GB/s and gets
+  // from 2.76-3.00 to 3.53-3.88 (transport/README.md, "tcp receive segments"). Memory:
+  // one such buffer per tcp connection receiving at the moment.
+  std::string tcp_rx_seg_size = "1m";
 };
 
 class Context {
