@@ -1048,6 +1048,39 @@ INSTANTIATE_TEST_SUITE_P(Transports, ReimportTest, ::testing::Values("tcp", "sm,
 
 // With UCX's default (every transport enabled), two workers on one host talk over shared
 // memory, not tcp loopback (PEER error handling would restrict UCX to tcp).
+// The context's tcp receive segment (ContextOptions::tcp_rx_seg_size) reaches UCX's tcp
+// transport, and contexts without tcp do not get it (UCX warns about a transport key no
+// enabled transport takes): a worker made from each prints no "invalid configuration",
+// while a value tcp cannot parse does.
+TEST(ContextTest, TcpReceiveSegmentReachesTcpOnly) {
+  if (std::getenv("UCX_TCP_RX_SEG_SIZE") != nullptr) GTEST_SKIP() << "UCX_TCP_RX_SEG_SIZE is set";
+  auto warnings = [](const std::string& tls, const std::string& seg) {
+    ContextOptions co;
+    co.ucx_config = {{"TLS", tls}};
+    co.tcp_rx_seg_size = seg;
+    // UCX logs to stdout unless UCX_LOG_FILE says otherwise.
+    std::fflush(stdout);
+    ::testing::internal::CaptureStdout();
+    ::testing::internal::CaptureStderr();
+    auto c = Context::Create(co);
+    absl::StatusOr<std::shared_ptr<Worker>> w = absl::UnknownError("no context");
+    if (c.ok()) w = Worker::Create(*c);
+    std::fflush(stdout);
+    const std::string err =
+        ::testing::internal::GetCapturedStderr() + ::testing::internal::GetCapturedStdout();
+    EXPECT_TRUE(c.ok()) << tls << ": " << c.status();
+    EXPECT_TRUE(w.ok()) << tls << ": " << w.status();
+    return err;
+  };
+  for (const std::string tls : {"tcp", "sm,cma,self", "^tcp", "self,tcp"}) {
+    const std::string err = warnings(tls, "1m");
+    EXPECT_EQ(err.find("invalid configuration"), std::string::npos) << tls << ": " << err;
+  }
+  // The control: tcp does read the key (and rejects what it cannot parse).
+  const std::string err = warnings("tcp", "not-a-size");
+  EXPECT_NE(err.find("RX_SEG_SIZE"), std::string::npos) << err;
+}
+
 TEST(SameHostTest, DefaultTransportsUseSharedMemory) {
   if (std::getenv("UCX_TLS") != nullptr) GTEST_SKIP() << "UCX_TLS is set in the environment";
   auto oc = Context::Create();

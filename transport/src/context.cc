@@ -8,6 +8,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "internal.h"
 
 namespace kvpool::transport {
@@ -49,6 +50,25 @@ absl::string_view ProtocolName(Protocol p) {
   return "?";
 }
 
+namespace {
+// Whether the transport list (UCX_TLS, or a "TLS" override) may enable tcp: UCX warns
+// about a transport key that no enabled transport takes.
+bool TlsMayIncludeTcp(const ContextOptions& options) {
+  const char* env = std::getenv("UCX_TLS");
+  std::string tls = env != nullptr ? env : "";
+  for (const auto& [k, v] : options.ucx_config) {
+    if (k == "TLS") tls = v;
+  }
+  if (tls.empty()) return true;
+  bool named = false;
+  const bool exclude = tls[0] == '^';
+  for (absl::string_view t : absl::StrSplit(absl::string_view(tls).substr(exclude ? 1 : 0), ',')) {
+    if (t == "tcp" || t == "all") named = true;
+  }
+  return exclude ? !named : named;
+}
+}  // namespace
+
 absl::StatusOr<std::shared_ptr<Context>> Context::Create(ContextOptions options) {
   ucp_config_t* config = nullptr;
   RETURN_IF_ERROR(FromUcs(ucp_config_read(nullptr, nullptr, &config), "ucp_config_read"));
@@ -62,7 +82,8 @@ absl::StatusOr<std::shared_ptr<Context>> Context::Create(ContextOptions options)
   // configuration by the field's own name, without the transport's prefix
   // ("TCP_RX_SEG_SIZE" is reported as invalid and ignored); tcp is the only transport
   // with a field of this name.
-  if (std::getenv("UCX_TCP_RX_SEG_SIZE") == nullptr && !options.tcp_rx_seg_size.empty()) {
+  if (std::getenv("UCX_TCP_RX_SEG_SIZE") == nullptr && !options.tcp_rx_seg_size.empty() &&
+      TlsMayIncludeTcp(options)) {
     st.Update(FromUcs(ucp_config_modify(config, "RX_SEG_SIZE", options.tcp_rx_seg_size.c_str()),
                       absl::StrCat("UCX TCP_RX_SEG_SIZE=", options.tcp_rx_seg_size)));
   }
