@@ -273,6 +273,8 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   // When a caller last drove progress (Worker::Progress), absl::GetCurrentTimeNanos;
   // relaxed: a hint for the progress thread to back off, nothing is published through it.
   std::atomic<int64_t> external_progress_ns_{0};
+  // Callers inside Worker::Progress now (the progress thread stays out meanwhile).
+  std::atomic<int> callers_progressing_{0};
   // The progress thread leaves UCX to a caller that polled within this many ns.
   static constexpr int64_t kCallerProgressNs = 1'000'000;
   bool CallerDrivesProgress() const;
