@@ -1046,8 +1046,6 @@ INSTANTIATE_TEST_SUITE_P(Transports, ReimportTest, ::testing::Values("tcp", "sm,
                            return std::string(i.param[0] == 't' ? "Tcp" : "Shm");
                          });
 
-// With UCX's default (every transport enabled), two workers on one host talk over shared
-// memory, not tcp loopback (PEER error handling would restrict UCX to tcp).
 // The context's tcp receive segment (ContextOptions::tcp_rx_seg_size) reaches UCX's tcp
 // transport, and contexts without tcp do not get it (UCX warns about a transport key no
 // enabled transport takes): a worker made from each prints no "invalid configuration",
@@ -1081,6 +1079,8 @@ TEST(ContextTest, TcpReceiveSegmentReachesTcpOnly) {
   EXPECT_NE(err.find("RX_SEG_SIZE"), std::string::npos) << err;
 }
 
+// With UCX's default (every transport enabled), two workers on one host talk over shared
+// memory, not tcp loopback (PEER error handling would restrict UCX to tcp).
 TEST(SameHostTest, DefaultTransportsUseSharedMemory) {
   if (std::getenv("UCX_TLS") != nullptr) GTEST_SKIP() << "UCX_TLS is set in the environment";
   auto oc = Context::Create();

@@ -189,7 +189,7 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   ~EndpointImpl();
   bool shm_lanes_ = false;               // some lane moves bytes through shared memory
   // True when UCX cannot watch the peer and its (same-host) process has exited. Asks the
-  // kernel at most once per kPeerCheckInterval (any thread); in between it answers from
+  // kernel at most once per kPeerCheckIntervalNs (any thread); in between it answers from
   // the last look, so a batch that completes less than that after the peer's exit may
   // still succeed (its bytes did land in the mapped segment). Once gone, always gone.
   bool PeerProcessGone() const;
