@@ -761,7 +761,7 @@ TEST_P(TransportTest, ClosingAnEndpointIsAcceptedByUcx) {
 // two requests whose second cannot be sent, and a put of two messages (answered once,
 // so the owner never sends that answer) whose second cannot be sent.
 TEST_P(TransportTest, MessageThatCannotBeSentIsNotAwaited) {
-  if (ep_->protocol() != Protocol::kActiveMessage) GTEST_SKIP() << "AM only";
+  if (ep_->protocol() != Protocol::kActiveMessage) GTEST_SKIP() << "this endpoint moves bytes one-sided (RMA): it sends no messages that could fail";
   // Get: 64 segments of 4 KiB (every other owner page: one gathered message, a request
   // of its own at kMaxSegsPerMsg segments) then one of 64 KiB: two requests.
   std::vector<uint64_t> lg(40), rg;
@@ -797,7 +797,7 @@ TEST_P(TransportTest, MessageThatCannotBeSentIsNotAwaited) {
 // and the endpoint keeps serving (before, the owner did not answer: the batch waited for
 // the whole batch_timeout, failed with DEADLINE_EXCEEDED and its endpoint was closed).
 TEST_P(TransportTest, PutTheOwnerFailsToReceiveIsAnsweredAtOnce) {
-  if (ep_->protocol() != Protocol::kActiveMessage) GTEST_SKIP() << "AM only";
+  if (ep_->protocol() != Protocol::kActiveMessage) GTEST_SKIP() << "this endpoint moves bytes one-sided (RMA): the owner receives no put messages";
   // The whole owner arena (2 MiB) from one contiguous client buffer: one message larger
   // than kEagerMaxBytes, received by rendezvous.
   static_assert(kOwnerPages * kOwnerPage > kEagerMaxBytes);
@@ -1051,7 +1051,7 @@ INSTANTIATE_TEST_SUITE_P(Transports, ReimportTest, ::testing::Values("tcp", "sm,
 // enabled transport takes): a worker made from each prints no "invalid configuration",
 // while a value tcp cannot parse does.
 TEST(ContextTest, TcpReceiveSegmentReachesTcpOnly) {
-  if (std::getenv("UCX_TCP_RX_SEG_SIZE") != nullptr) GTEST_SKIP() << "UCX_TCP_RX_SEG_SIZE is set";
+  if (std::getenv("UCX_TCP_RX_SEG_SIZE") != nullptr) GTEST_SKIP() << "UCX_TCP_RX_SEG_SIZE is set in the environment and wins over ContextOptions::tcp_rx_seg_size; unset it to run this test";
   auto warnings = [](const std::string& tls, const std::string& seg) {
     ContextOptions co;
     co.ucx_config = {{"TLS", tls}};

@@ -124,9 +124,7 @@ void WorkerImpl::SendOwnerReply(ucp_ep_h reply_ep, unsigned id, uint64_t batch_i
   // (param->reply_ep there): another peer cannot complete its batches.
   p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
   p.flags = UCP_AM_SEND_FLAG_REPLY;
-  uint64_t bytes = 0;
-  for (const auto& v : op->iov) bytes += v.length;
-  if (bytes <= kEagerMaxBytes) p.flags |= UCP_AM_SEND_FLAG_EAGER;
+  p.flags |= EagerFlagFor(op->iov);
   // UCX asserts on an empty iov: header-only replies are contig; so is a single piece
   // (zero-copy rendezvous on tcp, see WorkerImpl::StartAm).
   const void* payload = nullptr;

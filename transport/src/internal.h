@@ -71,6 +71,12 @@ inline constexpr uint32_t kMaxSegsPerMsg = 64;
 // rather than by rendezvous: no RTS/RTR round trip per message; the receiver copies the
 // payload out of UCX's buffer while it is in cache.
 inline constexpr uint64_t kEagerMaxBytes = 1048576;
+// UCP_AM_SEND_FLAG_EAGER for a message of these pieces when it is small enough, else 0.
+inline uint32_t EagerFlagFor(const std::vector<ucp_dt_iov_t>& iov) {
+  uint64_t bytes = 0;
+  for (const ucp_dt_iov_t& v : iov) bytes += v.length;
+  return bytes <= kEagerMaxBytes ? UCP_AM_SEND_FLAG_EAGER : 0;
+}
 struct WireSeg {
   uint32_t arena_id;
   uint32_t pad;

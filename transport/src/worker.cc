@@ -1136,11 +1136,7 @@ void WorkerImpl::StartAm(Batch& b) {
       b.replies_awaited += static_cast<int>(k);
     }
     const auto& iov = b.iovs[m0];
-    if (b.dir == Direction::kPut) {
-      uint64_t bytes = 0;
-      for (const auto& v : iov) bytes += v.length;
-      if (bytes <= kEagerMaxBytes) p.flags |= UCP_AM_SEND_FLAG_EAGER;
-    }
+    if (b.dir == Direction::kPut) p.flags |= EagerFlagFor(iov);
     ucs_status_ptr_t r;
     if (b.dir == Direction::kPut && iov.size() == 1) {
       r = ucp_am_send_nbx(b.ep->ep_, kAmPut, hdr.data(), hdr.size(), iov[0].buffer,
