@@ -133,8 +133,12 @@ absl::Status WorkerImpl::Submit(const std::shared_ptr<EndpointImpl>& ep, Directi
     if (!mapped) {
       const uint64_t id = next_batch_;
       StartBatch(std::move(b));
-      // The progress thread may be asleep in epoll: wake it for what is left.
-      if (batches_.contains(id)) ucp_worker_signal(worker_);
+      // Work is left in flight: a progress thread asleep in epoll must wake for it (see
+      // progress_asleep_); one that polls, or waits out a polling caller, finds it.
+      if (batches_.contains(id)) {
+        submitted_.fetch_add(1);
+        if (progress_asleep_.load()) ucp_worker_signal(worker_);
+      }
     }
     ready.swap(ready_);  // what finished (this batch, inline on shared memory), run below
   }

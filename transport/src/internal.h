@@ -284,6 +284,16 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   // The progress thread leaves UCX to a caller that polled within this many ns.
   static constexpr int64_t kCallerProgressNs = 1'000'000;
   bool CallerDrivesProgress() const;
+  // Whether a submitter must wake the progress thread (ucp_worker_signal: a write(2) on
+  // UCX's event fd) for a batch it leaves in flight. Only a thread asleep in epoll needs
+  // it: one that polls, or that sleeps between rounds while a caller drives progress,
+  // finds the batch by itself. Submitters count their batches in `submitted_`, then read
+  // `progress_asleep_`; the progress thread sets `progress_asleep_`, then compares
+  // `submitted_` with what its last round saw and does not sleep if it moved (both
+  // seq_cst: one of the two sees the other's write). Measured, 4 KiB puts over tcp: one
+  // write per batch besides the sendmsg, ~86,000 a second.
+  std::atomic<uint64_t> submitted_{0};
+  std::atomic<bool> progress_asleep_{false};
   // Threads other than the progress thread waiting for ucx_mu_ (Submit, Progress).
   // absl::Mutex does not hand the lock over, so a progress thread that polls while work
   // is in flight would re-take it at once and starve them: it lets them in first.

@@ -405,6 +405,15 @@ void WorkerImpl::Loop() {
   absl::Time last_progress = absl::Now();
   int contended = 0;          // rounds in a row that found ucx_mu_ held by a caller
   bool was_inflight = false;  // the last round had work in flight
+  uint64_t seen_submitted = 0;  // submitted_ as of the last round under ucx_mu_
+  // Marks this thread asleep for submitters, unless a batch was left in flight since the
+  // last round saw submitted_ (then it must not sleep: nobody will signal it).
+  auto may_sleep = [&] {
+    progress_asleep_.store(true);
+    if (submitted_.load() == seen_submitted) return true;
+    progress_asleep_.store(false);
+    return false;
+  };
   while (!stop_.load(std::memory_order_relaxed)) {
     // A caller's thread waits for ucx_mu_: let it take the lock before this loop re-takes
     // it (bounded: ~100 yields).
@@ -437,15 +446,21 @@ void WorkerImpl::Loop() {
     // handing its CPU slot to other processes on a small machine (measured: the caller
     // got ~55% of a CPU, ucx_perftest ~90%; 1 MiB shared-memory gets at 0.4-0.6x). With
     // work in flight, look again shortly: 20 us, doubling to 1 ms while the lock stays
-    // busy. Idle, sleep as when idle: a submitter that leaves work in flight signals.
+    // busy. Idle, sleep as when idle: a submitter that leaves work in flight signals a
+    // thread marked asleep (may_sleep).
     if (!ucx_mu_.TryLock()) {
       if (was_inflight) {
         usleep(std::min<useconds_t>(1000, 20u << std::min(contended, 6)));
       } else {
         // Not armed: a signal (or an event since the last arm) keeps the fd readable
         // until a round re-arms it, so after one back off by timer rather than spin here.
-        epoll_event ev;
-        if (epoll_wait(epfd_, &ev, 1, 50) > 0) was_inflight = true;
+        if (may_sleep()) {
+          epoll_event ev;
+          if (epoll_wait(epfd_, &ev, 1, 50) > 0) was_inflight = true;
+          progress_asleep_.store(false);
+        } else {
+          was_inflight = true;
+        }
       }
       ++contended;
       continue;
@@ -454,6 +469,7 @@ void WorkerImpl::Loop() {
     bool progressed = false, busy = false, inflight = false;
     std::vector<std::pair<BatchCallback, absl::Status>> ready;
     RunQueue();
+    seen_submitted = submitted_.load();
     while (ucp_worker_progress(worker_) != 0) progressed = true;
     ReapClosedEndpoints();
     if (!batches_.empty()) CheckDeadlines();
@@ -491,14 +507,24 @@ void WorkerImpl::Loop() {
     }
     if (CallerDrivesProgress()) continue;  // backs off at the top of the loop
     if (!ucx_mu_.TryLock()) continue;  // a caller is in: back off at the top
+    // Under ucx_mu_, as Submit starts batches: one started since this round's progress
+    // (busy is stale then) keeps this thread awake; one started after this is signalled.
+    if (!may_sleep()) {
+      ucx_mu_.Unlock();
+      continue;
+    }
     const ucs_status_t st = ucp_worker_arm(worker_);
     ucx_mu_.Unlock();
-    if (st == UCS_ERR_BUSY) continue;
+    if (st == UCS_ERR_BUSY) {
+      progress_asleep_.store(false);
+      continue;
+    }
     epoll_event ev;
     // Short sleeps while work is in flight bound deadline checks and cover transports
     // without wakeup events; idle, the owner still wakes for AM requests by event, and
-    // a submitter that leaves work in flight signals the worker.
+    // a submitter that leaves work in flight signals this thread (marked asleep above).
     epoll_wait(epfd_, &ev, 1, busy ? 1 : 50);
+    progress_asleep_.store(false);
   }
   // Drain: fail what is in flight, close endpoints, give UCX a bounded time to finish.
   {
