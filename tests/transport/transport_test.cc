@@ -972,6 +972,50 @@ TEST_P(TransportTest, ObserverSeesAGetOfManyMessagesInOrder) {
   EXPECT_TRUE(std::string(reinterpret_cast<const char*>(client_mem_.data()), seen[0].size()) == seen[0]);
 }
 
+// Worker::Progress from the caller's thread: batches it polls for complete (their
+// callbacks run on the polling thread or the progress thread); once the caller stops
+// polling, the progress thread takes over the batches still in flight and new ones (it
+// stays out only for a couple of milliseconds after the caller's last call). Then every
+// byte is checked with gets that nobody polls for.
+TEST_P(TransportTest, CallerPollsThenStopsAndTheProgressThreadTakesOver) {
+  constexpr int kBatches = 16;  // one client page each, to owner pages 2i and 2i+1
+  for (int i = 0; i < kBatches; ++i) {
+    FillPattern(std::span<std::byte>(client_mem_.data() + i * kClientPage, kClientPage), 77, i * kClientPage);
+  }
+  std::vector<std::promise<absl::Status>> done(kBatches);
+  std::vector<std::future<absl::Status>> futures;
+  for (auto& d : done) futures.push_back(d.get_future());
+  auto put = [&](int i) {
+    const absl::Status s = ep_->PutAsync(
+        {{Local({static_cast<uint64_t>(i)}), Remote({2ull * i, 2ull * i + 1})}},
+        [&done, i](absl::Status st) { done[i].set_value(std::move(st)); });
+    ASSERT_TRUE(s.ok()) << s;
+  };
+  auto ready = [&](int i) { return futures[i].wait_for(std::chrono::seconds(0)) == std::future_status::ready; };
+  // The first half: submitted and polled for by this thread until all are done (a bound
+  // of 60 s as the hang guard).
+  for (int i = 0; i < kBatches / 2; ++i) put(i);
+  const absl::Time end = absl::Now() + absl::Seconds(60);
+  for (int i = 0; i < kBatches / 2; ++i) {
+    while (!ready(i) && absl::Now() < end) client_->Progress();
+    ASSERT_TRUE(ready(i)) << "batch " << i << " not done after 60 s of Worker::Progress";
+  }
+  // The second half: submitted right after the last poll, then nobody polls.
+  for (int i = kBatches / 2; i < kBatches; ++i) put(i);
+  for (int i = 0; i < kBatches; ++i) ASSERT_TRUE(Await(std::move(futures[i])).ok()) << "batch " << i;
+  std::memset(client_mem_.data(), 0, client_mem_.size());
+  for (int i = 0; i < kBatches; ++i) {
+    ASSERT_TRUE(Await(ep_->Get({{Local({static_cast<uint64_t>(kBatches + i)}),
+                                 Remote({2ull * i, 2ull * i + 1})}}))
+                    .ok());
+    EXPECT_EQ(FirstMismatch(std::span<const std::byte>(client_mem_.data() + (kBatches + i) * kClientPage,
+                                                       kClientPage),
+                            77, i * kClientPage),
+              -1)
+        << "batch " << i;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Protocols, TransportTest,
     ::testing::Values(Mode{"ShmAuto", "sm,self", Protocol::kAuto, Protocol::kRma},

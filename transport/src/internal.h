@@ -281,8 +281,9 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   std::atomic<int64_t> external_progress_ns_{0};
   // Callers inside Worker::Progress now (the progress thread stays out meanwhile).
   std::atomic<int> callers_progressing_{0};
-  // The progress thread leaves UCX to a caller that polled within this many ns.
-  static constexpr int64_t kCallerProgressNs = 1'000'000;
+  // The progress thread leaves UCX to a caller that polled within this many ns, and
+  // sleeps meanwhile until that much time has passed since the caller's last call.
+  static constexpr int64_t kCallerProgressNs = 2'000'000;
   bool CallerDrivesProgress() const;
   // Whether a submitter must wake the progress thread (ucp_worker_signal: a write(2) on
   // UCX's event fd) for a batch it leaves in flight. Only a thread asleep in epoll needs
@@ -303,6 +304,7 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   mutable absl::Mutex mu_;
   std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+  bool QueuedOrStopped() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopped_ || !queue_.empty(); }
   absl::flat_hash_map<uint32_t, std::weak_ptr<Arena>> arenas_ ABSL_GUARDED_BY(mu_);
   WorkerStats stats_ ABSL_GUARDED_BY(mu_);
 
