@@ -27,6 +27,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -129,10 +131,22 @@ constexpr uint64_t kHugePage = 2 << 20;
 // leave 4 KiB pages. Why it matters: copies between scattered pages of a large arena
 // mapped with 4 KiB pages ran at ~1 GB/s on this project's current VM, against 10-14
 // GB/s with 2 MiB pages (TLB misses; 64 KiB copies at random places in 1 GiB).
+// A failure is said once per process on stderr (the arena still works, slower).
 void MakeHugeMapped(std::byte* p, uint64_t len) {
   const uintptr_t b = (reinterpret_cast<uintptr_t>(p) + kHugePage - 1) & ~(kHugePage - 1);
   const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + len) & ~(kHugePage - 1);
-  if (e > b) (void)madvise(reinterpret_cast<void*>(b), e - b, MADV_COLLAPSE);
+  if (e <= b || madvise(reinterpret_cast<void*>(b), e - b, MADV_COLLAPSE) == 0) return;
+  const int err = errno;
+  static std::atomic<bool> said{false};
+  if (said.exchange(true)) return;
+  std::fprintf(stderr,
+               "kvpool transport: a %llu MiB arena stays on 4 KiB pages (MADV_COLLAPSE: %s%s); "
+               "copies between its scattered pages may run several times slower. %s\n",
+               static_cast<unsigned long long>(len >> 20), std::strerror(err),
+               err == EINVAL ? ", needs Linux 6.1+" : "",
+               err == EINVAL ? "Run a newer kernel for 2 MiB pages."
+                             : "Free memory, or compact it (echo 1 > /proc/sys/vm/compact_memory), "
+                               "before starting the process.");
 }
 
 // Lanes that move bytes through shared memory on this host.
