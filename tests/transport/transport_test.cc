@@ -1095,7 +1095,16 @@ INSTANTIATE_TEST_SUITE_P(Transports, ReimportTest, ::testing::Values("tcp", "sm,
 // enabled transport takes): a worker made from each prints no "invalid configuration",
 // while a value tcp cannot parse does.
 TEST(ContextTest, TcpReceiveSegmentReachesTcpOnly) {
-  if (std::getenv("UCX_TCP_RX_SEG_SIZE") != nullptr) GTEST_SKIP() << "UCX_TCP_RX_SEG_SIZE is set in the environment and wins over ContextOptions::tcp_rx_seg_size; unset it to run this test";
+  // A UCX_TCP_RX_SEG_SIZE in the environment wins over the option: the test runs without
+  // it and puts it back after.
+  struct EnvGuard {
+    const char* saved = std::getenv("UCX_TCP_RX_SEG_SIZE");
+    std::string value = saved != nullptr ? saved : "";
+    EnvGuard() { unsetenv("UCX_TCP_RX_SEG_SIZE"); }
+    ~EnvGuard() {
+      if (saved != nullptr) setenv("UCX_TCP_RX_SEG_SIZE", value.c_str(), 1);
+    }
+  } env_guard;
   auto warnings = [](const std::string& tls, const std::string& seg) {
     ContextOptions co;
     co.ucx_config = {{"TLS", tls}};

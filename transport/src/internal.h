@@ -284,7 +284,10 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   // The progress thread leaves UCX to a caller that polled within this many ns, and
   // sleeps meanwhile until that much time has passed since the caller's last call.
   static constexpr int64_t kCallerProgressNs = 2'000'000;
-  bool CallerDrivesProgress() const;
+  // How long the caller's window still lasts (the whole window while a caller is inside
+  // Progress); <= 0: no caller drives progress.
+  int64_t CallerWindowLeftNs() const;
+  bool CallerDrivesProgress() const { return CallerWindowLeftNs() > 0; }
   // Whether a submitter must wake the progress thread (ucp_worker_signal: a write(2) on
   // UCX's event fd) for a batch it leaves in flight. Only a thread asleep in epoll needs
   // it: one that polls, or that sleeps between rounds while a caller drives progress,
@@ -304,7 +307,10 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   mutable absl::Mutex mu_;
   std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
-  bool QueuedOrStopped() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopped_ || !queue_.empty(); }
+  // Signalled when work is posted or the worker stops: ends the progress thread's wait
+  // while a caller drives progress (a CondVar, so that the many other unlocks of mu_ do
+  // not evaluate a wait condition).
+  absl::CondVar posted_cv_;
   absl::flat_hash_map<uint32_t, std::weak_ptr<Arena>> arenas_ ABSL_GUARDED_BY(mu_);
   WorkerStats stats_ ABSL_GUARDED_BY(mu_);
 

@@ -319,6 +319,7 @@ void WorkerImpl::Shutdown() {
   {
     absl::MutexLock l(&mu_);
     stopped_ = true;
+    posted_cv_.Signal();
   }
   stop_.store(true, std::memory_order_relaxed);
   if (thread_.joinable()) {
@@ -348,6 +349,7 @@ bool WorkerImpl::Post(std::function<void()> fn) {
     absl::MutexLock l(&mu_);
     if (stopped_) return false;
     queue_.push_back(std::move(fn));
+    posted_cv_.Signal();
   }
   ucp_worker_signal(worker_);
   return true;
@@ -360,30 +362,33 @@ bool WorkerImpl::ProgressFromCaller() {
   // long as this call lasts (one call can keep receiving for milliseconds while messages
   // keep arriving: measured, 1 MiB gets over tcp, the progress thread then took ~0.2 of
   // a CPU contending for the lock, from the owner's share of the machine).
-  callers_progressing_.fetch_add(1, std::memory_order_relaxed);
-  external_progress_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed);
+  struct Inside {  // counts this call in callers_progressing_ until it leaves the scope
+    std::atomic<int>& n;
+    explicit Inside(std::atomic<int>& c) : n(c) { n.fetch_add(1, std::memory_order_relaxed); }
+    ~Inside() { n.fetch_sub(1, std::memory_order_relaxed); }
+  };
   {
-    CallerLock l(this);
-    if (closed_) {
-      callers_progressing_.fetch_sub(1, std::memory_order_relaxed);
-      return false;
+    const Inside inside(callers_progressing_);
+    external_progress_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed);
+    {
+      CallerLock l(this);
+      if (closed_) return false;
+      while (ucp_worker_progress(worker_) != 0) progressed = true;
+      ReapClosedEndpoints();
+      if (!batches_.empty()) CheckDeadlines();
+      if (!retired_.empty()) SweepRkeys();
+      ready.swap(ready_);  // taken here rather than under a second lock in RunCallbacks
     }
-    while (ucp_worker_progress(worker_) != 0) progressed = true;
-    ReapClosedEndpoints();
-    if (!batches_.empty()) CheckDeadlines();
-    if (!retired_.empty()) SweepRkeys();
-    ready.swap(ready_);  // taken here rather than under a second lock in RunCallbacks
+    external_progress_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed);
   }
-  external_progress_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed);
-  callers_progressing_.fetch_sub(1, std::memory_order_relaxed);
   for (auto& [done, status] : ready) done(std::move(status));
   return progressed;
 }
 
-bool WorkerImpl::CallerDrivesProgress() const {
-  return callers_progressing_.load(std::memory_order_relaxed) > 0 ||
-         absl::GetCurrentTimeNanos() - external_progress_ns_.load(std::memory_order_relaxed) <
-             kCallerProgressNs;
+int64_t WorkerImpl::CallerWindowLeftNs() const {
+  if (callers_progressing_.load(std::memory_order_relaxed) > 0) return kCallerProgressNs;
+  return external_progress_ns_.load(std::memory_order_relaxed) + kCallerProgressNs -
+         absl::GetCurrentTimeNanos();
 }
 
 absl::Status WorkerImpl::RunSync(std::function<absl::Status()> fn) {
@@ -446,13 +451,10 @@ void WorkerImpl::Loop() {
       bool queued;
       {
         absl::MutexLock l(&mu_);
-        const int64_t now = absl::GetCurrentTimeNanos();
-        const int64_t until_end =
-            callers_progressing_.load(std::memory_order_relaxed) > 0
-                ? kCallerProgressNs
-                : external_progress_ns_.load(std::memory_order_relaxed) + kCallerProgressNs - now;
-        mu_.AwaitWithTimeout(absl::Condition(this, &WorkerImpl::QueuedOrStopped),
-                             absl::Nanoseconds(std::clamp<int64_t>(until_end, 50'000, kCallerProgressNs)));
+        if (!stopped_ && queue_.empty()) {
+          posted_cv_.WaitWithTimeout(
+              &mu_, absl::Nanoseconds(std::clamp<int64_t>(CallerWindowLeftNs(), 50'000, kCallerProgressNs)));
+        }
         queued = !queue_.empty();
       }
       if (queued) {
