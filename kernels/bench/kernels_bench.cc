@@ -3,6 +3,7 @@
 //
 //   kernels_bench [--json] [--backend=cpu_optimized|cpu_reference|cuda] [--threads=N]
 //                 [--quick] [--best] [--only=gqa|mla|kda|SHAPE] [--min-bytes=B] [--huge-pages]
+//                 [--bf16-products]
 //
 // Bytes counted (the "accounting" field of --json says the same):
 //   gqa_decode  K and V of every cached token read once: ctx * kv_heads * d * 2 * esz
@@ -32,6 +33,10 @@
 // ("fma_bound_below_target"): those cannot meet it with fp32 FMAs on this machine.
 // --min-bytes lowers the smallest working set swept (to see cache-resident speed);
 // --huge-pages madvises host buffers for transparent huge pages.
+// --bf16-products: cpu_optimized with BackendOptions::bf16_products (q and softmax weights
+// rounded to bf16, vdpbf16ps where the CPU has avx512_bf16; "describe" names the ISA that
+// ran). One vdpbf16ps lane does two products, so GQA/MLA fma_per_byte (the roof) is
+// halved there: the roof counts fp32 FMA-lane equivalents.
 #include <algorithm>
 #include <chrono>
 #include <ctime>
@@ -60,6 +65,7 @@ struct Options {
   Backend backend = Backend::kCpuOptimized;
   int threads = 0;
   std::string only;  // run only kernels whose name contains this ("gqa", "mla", "kda")
+  bool bf16_products = false;  // --bf16-products
   double min_bytes = 8e6;  // smallest working set swept (--min-bytes; cache-resident runs)
 };
 
@@ -71,6 +77,7 @@ void Check(const absl::Status& s, const char* what) {
 }
 
 bool g_huge_pages = false;  // --huge-pages: madvise(MADV_HUGEPAGE) on host buffers
+double g_product_fma = 1.0;  // FMA lanes per product: 0.5 on vdpbf16ps (--bf16-products)
 
 // Asks for transparent huge pages over the 2 MiB-aligned part of [p, p + bytes).
 void AdviseHuge(void* p, size_t bytes) {
@@ -200,8 +207,8 @@ struct Result {
 //   kda: per fp32 state element 1 FMA (u = S^T k) + 1 multiply + 2 FMAs (update and
 //        output) = 4 lanes per 8 bytes (read + written).
 // Softmax exps, conversions and loads are not counted: the roof is optimistic.
-double FmaPerByteGqa(int nq, int nkv, size_t esz) { return static_cast<double>(nq / nkv) / esz; }
-double FmaPerByteMla(int heads, size_t esz) { return heads * (576.0 + 512.0) / (576.0 * esz); }
+double FmaPerByteGqa(int nq, int nkv, size_t esz) { return g_product_fma * (nq / nkv) / esz; }
+double FmaPerByteMla(int heads, size_t esz) { return g_product_fma * heads * (576.0 + 512.0) / (576.0 * esz); }
 constexpr double kFmaPerByteKda = 4.0 / 8.0;
 
 // The bandwidth probes, measured right before each kernel family's points (the load on
@@ -459,19 +466,22 @@ int Main(int argc, char** argv) {
       g_best = true;
     } else if (a == "--huge-pages") {
       g_huge_pages = true;
+    } else if (a == "--bf16-products") {
+      o.bf16_products = true;
     } else if (a.rfind("--only=", 0) == 0) {
       o.only = a.substr(7);
     } else if (a.rfind("--threads=", 0) == 0) {
       o.threads = std::atoi(a.c_str() + 10);
     } else {
       std::fprintf(stderr, "usage: kernels_bench [--json] [--quick] [--best] [--backend=NAME] [--threads=N] "
-                           "[--only=gqa|mla|kda|SHAPE] [--min-bytes=B] [--huge-pages]\n");
+                           "[--only=gqa|mla|kda|SHAPE] [--min-bytes=B] [--huge-pages] [--bf16-products]\n");
       return 2;
     }
   }
-  auto created = CreateBackend(o.backend, {.num_threads = o.threads});
+  auto created = CreateBackend(o.backend, {.num_threads = o.threads, .bf16_products = o.bf16_products});
   Check(created.status(), "backend");
   KernelBackend* be = created->get();
+  if (be->Describe().find("avx512_bf16") != std::string::npos) g_product_fma = 0.5;
   const bool gpu = o.backend == Backend::kCuda;
   const double min_t = o.quick ? 0.08 : 0.25;
 
@@ -626,8 +636,9 @@ int Main(int argc, char** argv) {
   }
 
   if (o.json) {
-    std::printf("{\n  \"backend\": \"%s\", \"describe\": \"%s\", \"threads\": %d,\n",
-                std::string(BackendName(o.backend)).c_str(), be->Describe().c_str(), be->num_threads());
+    std::printf("{\n  \"backend\": \"%s\", \"describe\": \"%s\", \"threads\": %d, \"bf16_products\": %s,\n",
+                std::string(BackendName(o.backend)).c_str(), be->Describe().c_str(), be->num_threads(),
+                o.bf16_products ? "true" : "false");
     std::printf("  \"accounting\": \"gqa_decode bytes = K+V of every cached token read once; mla_decode "
                 "bytes = every 576-element entry read once; kda_decode bytes = every state read + "
                 "written once. fraction_of_probe: gqa/mla against the read probe (bytes read/s), kda "

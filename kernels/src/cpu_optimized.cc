@@ -71,8 +71,8 @@ absl::StatusOr<std::unique_ptr<KernelBackend>> CreateCpuOptimizedBackend(const B
   }
   int threads = o.num_threads;
   if (threads == 0) threads = std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1, 64);
-  return std::make_unique<CpuOptimizedBackend>(threads,
-                                               o.portable_loops ? &GenericOps() : &BestOps());
+  const SimdOps* ops = o.portable_loops ? &GenericOps() : o.bf16_products ? &BestBf16ProductOps() : &BestOps();
+  return std::make_unique<CpuOptimizedBackend>(threads, ops);
 }
 
 }  // namespace kvpool::kernels::internal

@@ -50,7 +50,8 @@ struct SimdOps {
   // how one 32-byte load of 16 bf16 widens to two fp32 vectors with a shift and a mask
   // (no shuffles). q rows and accumulators are kept paired; bf16 rows are read as
   // stored. Dimensions must be multiples of 16.
-  // y = paired(x) / y = natural(x), n % 16 == 0, x != y.
+  // y = paired(x) / y = natural(x), n % 16 == 0, x != y. (On bf16 products, pair16
+  // rounds q to bf16 and unpair16 reorders accumulators: Avx512Bf16Ops.)
   void (*pair16)(const float* x, float* y, int n);
   void (*unpair16)(const float* x, float* y, int n);
   // As score with bf16 rows and paired q rows (qp[r*dim ...]). Each score's sum runs in
@@ -72,9 +73,17 @@ const SimdOps* Avx2Ops();
 // AVX2's table with the bf16 fast path in AVX-512 (pair_block 32); nullptr where the
 // build has none.
 const SimdOps* Avx512Ops();
+// AVX-512's table with the bf16 path on bf16 products (pair_block 32): pair16 rounds q
+// to bf16, score_bf16p / accum_bf16p multiply bf16 by bf16 (vdpbf16ps, fp32 sums),
+// unpair16 reorders its accumulators (see cpu_simd_avx512.cc). nullptr where the build
+// has none. Selected by BackendOptions::bf16_products only.
+const SimdOps* Avx512Bf16Ops();
 // AVX-512 when compiled in and the CPU supports avx512f and avx512bw (and AVX2's
 // features), else AVX2 when the CPU supports avx2, fma and f16c, else generic.
 // KVPOOL_KERNELS_ISA=generic or =avx2 in the environment caps the choice there.
 const SimdOps& BestOps();
+// Avx512Bf16Ops() where BestOps() is AVX-512 and the CPU supports avx512_bf16, else
+// BestOps().
+const SimdOps& BestBf16ProductOps();
 
 }  // namespace kvpool::kernels::internal

@@ -54,7 +54,170 @@ struct Isa {
   }
 };
 
+// ---- bf16 products (AVX512_BF16; Avx512Bf16Ops, BackendOptions::bf16_products) ----
+// q rows are rounded to bf16 once per split and stored as 32 bf16 per block of 32
+// elements, in order, in the first half of the block's 32 float slots (so row and block
+// offsets stay in floats, as on the paired path). vdpbf16ps multiplies 16 pairs of
+// adjacent bf16 and adds both products to 16 fp32 lanes: a score is one instruction per
+// 32 elements per q row, half the FMAs of the widening path and no widening.
+// Accumulation pairs tokens instead: V rows t and t+1 interleaved (unpacklo/hi_epi16)
+// against the bf16 pair (p_t, p_t+1) of softmax weights, so the accumulators of a block
+// of 32 columns hold, per 128-bit lane L, columns 8L..8L+3 (first vector) and 8L+4..8L+7
+// (second); UnpairDot puts them back in order. Tiles start at even positions (kTile
+// and the splits are even), so the token pairs, and the bits, do not depend on how a
+// sequence is cut.
+namespace dot {
+
+inline __m512bh Bf16(__m512i v) { return reinterpret_cast<__m512bh>(v); }
+
+// 32 fp32 -> 32 bf16 (round to nearest even), in order.
+inline __m512i ToBf16(__m512 lo, __m512 hi) { return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)); }
+
+void PrepQ(const float* x, float* y, int n) {
+  for (int b = 0; b < n; b += 32) {
+    _mm512_storeu_si512(y + b, ToBf16(_mm512_loadu_ps(x + b), _mm512_loadu_ps(x + b + 16)));
+  }
+}
+
+void UnpairDot(const float* x, float* y, int n) {
+  for (int b = 0; b < n; b += 32) {
+    for (int l = 0; l < 4; ++l) {
+      for (int k = 0; k < 4; ++k) {
+        y[b + 8 * l + k] = x[b + 4 * l + k];
+        y[b + 8 * l + 4 + k] = x[b + 16 + 4 * l + k];
+      }
+    }
+  }
+}
+
+// Scores of NR bf16 q rows against NT bf16 K rows; accumulator k = r * NT + t.
+template <int NR, int NT>
+[[gnu::always_inline]] inline void Score(const float* qp, int dim, const void* const* rows, float scale, float* s,
+                                         int ld) {
+  static_assert(NR * NT <= 24);
+  __m512 acc[NR * NT];
+  for (int k = 0; k < NR * NT; ++k) acc[k] = _mm512_setzero_ps();
+  for (int i = 0; i < dim; i += 32) {
+    __m512i kv[NT];
+    for (int t = 0; t < NT; ++t) {
+      kv[t] = _mm512_loadu_si512(static_cast<const uint16_t*>(rows[t]) + i);
+      Isa::InRegister(kv[t]);
+    }
+    for (int r = 0; r < NR; ++r) {
+      __m512i q = _mm512_loadu_si512(qp + r * dim + i);
+      if constexpr (NT > 1) Isa::InRegister(q);
+      for (int t = 0; t < NT; ++t) acc[r * NT + t] = _mm512_dpbf16_ps(acc[r * NT + t], Bf16(q), Bf16(kv[t]));
+    }
+  }
+  paired::StoreScores<Isa, NR, NT>(acc, scale, s, ld);
+}
+
+template <int NR, int NT>
+inline void ScoreRows(const float* qp, int dim, const void* const* rows, int T, float scale, float* s, int ld) {
+  int t = 0;
+  for (; t + NT <= T; t += NT) Score<NR, NT>(qp, dim, rows + t, scale, s + t, ld);
+  for (; t < T; ++t) Score<NR, 1>(qp, dim, rows + t, scale, s + t, ld);
+}
+
+void ScoreBf16D(const float* qp, int R, int dim, const void* const* rows, int T, float scale, float* s, int ld) {
+  int r = 0;
+  for (; r + 8 <= R; r += 8) ScoreRows<8, 2>(qp + r * dim, dim, rows, T, scale, s + r * ld, ld);
+  for (; r + 4 <= R; r += 4) ScoreRows<4, 4>(qp + r * dim, dim, rows, T, scale, s + r * ld, ld);
+  switch (R - r) {
+    case 3: ScoreRows<3, 4>(qp + r * dim, dim, rows, T, scale, s + r * ld, ld); break;
+    case 2: ScoreRows<2, 4>(qp + r * dim, dim, rows, T, scale, s + r * ld, ld); break;
+    case 1: ScoreRows<1, 8>(qp + r * dim, dim, rows, T, scale, s + r * ld, ld); break;
+    default: break;
+  }
+}
+
+// Softmax weights of a tile as bf16 pairs: w[t / 2] = (p[t], p[t + 1]), zero past T.
+inline void WeightPairs(const float* p, int T, uint32_t* w) {
+  static_assert(kTile == 64);
+  const __mmask16 m0 = T >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << T) - 1);
+  const __mmask16 m1 = T >= 32 ? 0xFFFF : T <= 16 ? 0 : static_cast<__mmask16>((1u << (T - 16)) - 1);
+  const __mmask16 m2 = T >= 48 ? 0xFFFF : T <= 32 ? 0 : static_cast<__mmask16>((1u << (T - 32)) - 1);
+  const __mmask16 m3 = T >= 64 ? 0xFFFF : T <= 48 ? 0 : static_cast<__mmask16>((1u << (T - 48)) - 1);
+  _mm512_storeu_si512(w, ToBf16(_mm512_maskz_loadu_ps(m0, p), _mm512_maskz_loadu_ps(m1, p + 16)));
+  _mm512_storeu_si512(w + 16, ToBf16(_mm512_maskz_loadu_ps(m2, p + 32), _mm512_maskz_loadu_ps(m3, p + 48)));
+}
+
+// accp rows [0, NR) += p * V over columns [j, j + 32 NC), tokens in pairs.
+template <int NR, int NC>
+[[gnu::always_inline]] inline void Accum(const uint32_t* w, const void* const* rows, int T, int j, int dv,
+                                         float* accp) {
+  __m512 a[NR][NC][2];
+  for (int r = 0; r < NR; ++r) {
+    for (int c = 0; c < NC; ++c) {
+      a[r][c][0] = _mm512_loadu_ps(accp + r * dv + j + 32 * c);
+      a[r][c][1] = _mm512_loadu_ps(accp + r * dv + j + 32 * c + 16);
+    }
+  }
+  for (int t = 0; t < T; t += 2) {
+    __m512i lo[NC], hi[NC];
+    for (int c = 0; c < NC; ++c) {
+      const __m512i x = _mm512_loadu_si512(static_cast<const uint16_t*>(rows[t]) + j + 32 * c);
+      const __m512i y = t + 1 < T ? _mm512_loadu_si512(static_cast<const uint16_t*>(rows[t + 1]) + j + 32 * c)
+                                  : _mm512_setzero_si512();  // (p_T is 0; row T does not exist)
+      lo[c] = _mm512_unpacklo_epi16(x, y);
+      hi[c] = _mm512_unpackhi_epi16(x, y);
+    }
+    for (int r = 0; r < NR; ++r) {
+      const __m512i pw = _mm512_set1_epi32(static_cast<int>(w[r * (kTile / 2) + t / 2]));
+      for (int c = 0; c < NC; ++c) {
+        a[r][c][0] = _mm512_dpbf16_ps(a[r][c][0], Bf16(pw), Bf16(lo[c]));
+        a[r][c][1] = _mm512_dpbf16_ps(a[r][c][1], Bf16(pw), Bf16(hi[c]));
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    for (int c = 0; c < NC; ++c) {
+      _mm512_storeu_ps(accp + r * dv + j + 32 * c, a[r][c][0]);
+      _mm512_storeu_ps(accp + r * dv + j + 32 * c + 16, a[r][c][1]);
+    }
+  }
+}
+
+template <int NR>
+inline void AccumRows(const float* p, int ld, const void* const* rows, int T, int dv, float* accp) {
+  constexpr int NC = Isa::kAccumCols[NR];
+  alignas(64) uint32_t w[NR * kTile / 2];
+  for (int r = 0; r < NR; ++r) WeightPairs(p + r * ld, T, w + r * (kTile / 2));
+  int j = 0;
+  for (; j + 32 * NC <= dv; j += 32 * NC) Accum<NR, NC>(w, rows, T, j, dv, accp);
+  for (; j < dv; j += 32) Accum<NR, 1>(w, rows, T, j, dv, accp);
+}
+
+void AccumBf16D(const float* p, int R, int ld, const void* const* rows, int T, int dv, float* accp) {
+  int r = 0;
+  for (; r + 4 <= R; r += 4) AccumRows<4>(p + r * ld, ld, rows, T, dv, accp + r * dv);
+  switch (R - r) {
+    case 3: AccumRows<3>(p + r * ld, ld, rows, T, dv, accp + r * dv); break;
+    case 2: AccumRows<2>(p + r * ld, ld, rows, T, dv, accp + r * dv); break;
+    case 1: AccumRows<1>(p + r * ld, ld, rows, T, dv, accp + r * dv); break;
+    default: break;
+  }
+}
+
+}  // namespace dot
+
 }  // namespace
+
+const SimdOps* Avx512Bf16Ops() {
+  const SimdOps* avx512 = Avx512Ops();
+  if (avx512 == nullptr) return nullptr;
+  static const SimdOps ops = [avx512] {
+    SimdOps o = *avx512;
+    o.isa = "avx512_bf16";
+    o.pair16 = dot::PrepQ;
+    o.unpair16 = dot::UnpairDot;
+    o.score_bf16p = dot::ScoreBf16D;
+    o.accum_bf16p = dot::AccumBf16D;
+    o.pair_block = 32;
+    return o;
+  }();
+  return &ops;
+}
 
 const SimdOps* Avx512Ops() {
   const SimdOps* avx2 = Avx2Ops();

@@ -119,4 +119,18 @@ const SimdOps& BestOps() {
   return *best;
 }
 
+const SimdOps& BestBf16ProductOps() {
+  static const SimdOps* ops = [] {
+    const SimdOps& best = BestOps();
+#if defined(__x86_64__) || defined(__i386__)
+    const SimdOps* bf16 = Avx512Bf16Ops();
+    if (bf16 != nullptr && std::strcmp(best.isa, "avx512") == 0 && __builtin_cpu_supports("avx512bf16")) {
+      return bf16;
+    }
+#endif
+    return &best;
+  }();
+  return *ops;
+}
+
 }  // namespace kvpool::kernels::internal

@@ -4,4 +4,5 @@
 namespace kvpool::kernels::internal {
 const SimdOps* Avx2Ops() { return nullptr; }
 const SimdOps* Avx512Ops() { return nullptr; }
+const SimdOps* Avx512Bf16Ops() { return nullptr; }
 }  // namespace kvpool::kernels::internal

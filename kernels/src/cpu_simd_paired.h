@@ -39,6 +39,24 @@ void Unpair(const float* x, float* y, int n) {
   }
 }
 
+// s[r * ld + t] = scale * (lane sum of acc[r * NT + t]). Lane sums 8 accumulators at a
+// time (HSum8 sums each in the same order whatever its position, so any grouping of rows
+// and tokens gives the same bits).
+template <typename I, int NR, int NT>
+[[gnu::always_inline]] inline void StoreScores(const typename I::V* acc, float scale, float* s, int ld) {
+  using V = typename I::V;
+  constexpr int kGroups = (NR * NT + 7) / 8;
+  alignas(32) float out[8 * kGroups];
+  for (int g = 0; g < kGroups; ++g) {
+    V all[8];
+    for (int k = 0; k < 8; ++k) all[k] = 8 * g + k < NR * NT ? acc[8 * g + k] : I::Zero();
+    _mm256_store_ps(out + 8 * g, _mm256_mul_ps(_mm256_set1_ps(scale), I::HSum8(all)));
+  }
+  for (int r = 0; r < NR; ++r) {
+    for (int t = 0; t < NT; ++t) s[r * ld + t] = out[r * NT + t];
+  }
+}
+
 // Scores of NR paired q rows against NT bf16 K rows; accumulator k = r * NT + t.
 template <typename I, int NR, int NT>
 [[gnu::always_inline]] inline void ScoreP(const float* qp, int dim, const void* const* rows, float scale,
@@ -82,18 +100,7 @@ template <typename I, int NR, int NT>
       }
     }
   }
-  // Lane sums 8 accumulators at a time (HSum8 sums each in the same order whatever its
-  // position, so any grouping of rows and tokens gives the same bits).
-  constexpr int kGroups = (NR * NT + 7) / 8;
-  alignas(32) float out[8 * kGroups];
-  for (int g = 0; g < kGroups; ++g) {
-    V all[8];
-    for (int k = 0; k < 8; ++k) all[k] = 8 * g + k < NR * NT ? acc[8 * g + k] : I::Zero();
-    _mm256_store_ps(out + 8 * g, _mm256_mul_ps(_mm256_set1_ps(scale), I::HSum8(all)));
-  }
-  for (int r = 0; r < NR; ++r) {
-    for (int t = 0; t < NT; ++t) s[r * ld + t] = out[r * NT + t];
-  }
+  StoreScores<I, NR, NT>(acc, scale, s, ld);
 }
 
 template <typename I, int NR, int NT>

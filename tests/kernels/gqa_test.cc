@@ -24,9 +24,20 @@ struct GqaShape {
   int head_dim, num_q, num_kv;
 };
 
-// Runs a decode on `be` over `lens`; returns the output and checks it against the oracle.
+// bf16 products (BackendOptions::bf16_products) multiply q rounded to bf16, and the
+// softmax weights p rounded to bf16, by the cached values. The oracle then takes q
+// rounded the same way (exactly what the kernel multiplies), which leaves the weights:
+// the output is sum_t p'_t v_t / sum_t p_t with |p'_t - p_t| <= 2^-9 p_t (round to
+// nearest; the denominator sums the fp32 weights), so it moves by at most 2^-9 max|v|
+// = 1.5e-3 for this file's V values (|v| <= 0.75), plus fp32 accumulation (kAtol).
+// Reading one wrong token among n moves an output by ~0.5 / n (0.004 at n = 130).
+constexpr double kBf16ProductAtol = 1.5e-3 + kAtol;
+
+// Runs a decode on `be` over `lens`; returns the output and checks it against the oracle
+// (with q rounded to bf16 and kBf16ProductAtol where `q_bf16`).
 std::vector<float> RunDecode(KernelBackend* be, DType dt, int page, GqaShape s,
-                             const std::vector<int>& lens, uint32_t seed, double* worst) {
+                             const std::vector<int>& lens, uint32_t seed, double* worst,
+                             bool q_bf16 = false) {
   const int row = s.num_kv * s.head_dim;
   PagedStore k(dt, page, row, lens, seed), v(dt, page, row, lens, seed);
   // v has k's block table (same seed, same shuffle); give it different values.
@@ -61,11 +72,16 @@ std::vector<float> RunDecode(KernelBackend* be, DType dt, int page, GqaShape s,
     for (int h = 0; h < s.num_q; ++h) {
       const int kvh = h / G;
       const size_t at = (static_cast<size_t>(b) * s.num_q + h) * s.head_dim;
+      std::vector<float> qh(&q[at], &q[at] + s.head_dim);
+      if (q_bf16) {
+        for (float& x : qh) x = RoundTo(DType::kBf16, x);
+      }
       auto ref = OracleAttend(
-          &q[at], s.head_dim, s.head_dim, lens[b], scale,
+          qh.data(), s.head_dim, s.head_dim, lens[b], scale,
           [&](int t) { return &k.tokens[b][static_cast<size_t>(t) * row + kvh * s.head_dim]; },
           [&](int t) { return &v.tokens[b][static_cast<size_t>(t) * row + kvh * s.head_dim]; });
-      *worst = std::max(*worst, WorstRatio(&out[at], ref, s.head_dim, kAtol, kRtol));
+      *worst = std::max(*worst, WorstRatio(&out[at], ref, s.head_dim, q_bf16 ? kBf16ProductAtol : kAtol,
+                                           q_bf16 ? 0.0 : kRtol));
       if (lens[b] == 0) {  // zero-length sequences give exact zeros (no NaN)
         for (int j = 0; j < s.head_dim; ++j) EXPECT_EQ(out[at + j], 0.f);
       }
@@ -109,6 +125,62 @@ TEST_P(GqaTest, DecodeIsBitwiseReproducible) {
       const auto c = RunDecode(other.get(), DType::kBf16, 16, {64, 4, 2}, {3000, 5, 700}, 5, &w2);
       EXPECT_EQ(std::memcmp(a.data(), c.data(), a.size() * sizeof(float)), 0) << threads;
     }
+  }
+}
+
+// BackendOptions::bf16_products: decode on bf16 products (vdpbf16ps) where the CPU has
+// avx512_bf16, against the oracle with q rounded to bf16 (tolerance above): group sizes
+// 1-12 (8-row, 4-row and 1-3-row score blocks), d 64/128, pages 1/16/64, odd tiles (37,
+// 130 tokens: a token pair with no second row), splits, NaN in every unowned slot; then
+// bitwise independence of the thread count and of the batch.
+std::unique_ptr<KernelBackend> Bf16ProductBackend(int threads) {
+  auto be = CreateBackend(Backend::kCpuOptimized, {.num_threads = threads, .bf16_products = true});
+  EXPECT_TRUE(be.ok()) << be.status();
+  return be.ok() ? std::move(*be) : nullptr;
+}
+
+TEST_P(GqaTest, Bf16ProductsDecodeMatchesOracleWithBf16Q) {
+  if (GetParam() != Backend::kCpuOptimized) GTEST_SKIP() << "bf16_products applies to cpu_optimized";
+  auto be = Bf16ProductBackend(2);
+  ASSERT_NE(be, nullptr);
+  if (be->Describe().find("avx512_bf16") == std::string::npos) {
+    GTEST_SKIP() << "this CPU has no avx512_bf16 (" << be->Describe()
+                 << "): bf16_products runs the exact path, which the other GqaTest checks cover";
+  }
+  const GqaShape shapes[] = {{64, 4, 2}, {128, 9, 3}, {64, 7, 1}, {128, 8, 8}, {128, 64, 8}, {64, 12, 1}};
+  uint32_t seed = 1000;
+  for (int page : {1, 16, 64}) {
+    for (const GqaShape& s : shapes) {
+      double worst = 0;
+      RunDecode(be.get(), DType::kBf16, page, s, {37, 0, 1, 130}, seed++, &worst, /*q_bf16=*/true);
+      EXPECT_LE(worst, 1.0) << "page=" << page << " d=" << s.head_dim << " q=" << s.num_q << " kv=" << s.num_kv;
+    }
+  }
+  double worst = 0;
+  RunDecode(be.get(), DType::kBf16, 16, {128, 8, 2}, {2049, 1024, 5}, 99, &worst, true);
+  EXPECT_LE(worst, 1.0) << "splits";
+  // fp16 and fp32 caches take the exact path.
+  RunDecode(be.get(), DType::kFp16, 16, {128, 8, 2}, {300}, 98, &worst);
+  EXPECT_LE(worst, 1.0) << "fp16";
+}
+
+TEST_P(GqaTest, Bf16ProductsDecodeIsBitwiseReproducible) {
+  if (GetParam() != Backend::kCpuOptimized) GTEST_SKIP() << "bf16_products applies to cpu_optimized";
+  auto be = Bf16ProductBackend(2);
+  ASSERT_NE(be, nullptr);
+  for (GqaShape s : {GqaShape{64, 12, 1}, GqaShape{128, 8, 1}}) {
+    double w = 0;
+    const std::vector<int> lens = {2100, 77, 0};
+    const auto a = RunDecode(be.get(), DType::kBf16, 16, s, lens, 11, &w, true);
+    for (int threads : {1, 3}) {
+      auto other = Bf16ProductBackend(threads);
+      const auto c = RunDecode(other.get(), DType::kBf16, 16, s, lens, 11, &w, true);
+      ASSERT_EQ(a.size(), c.size());
+      EXPECT_EQ(std::memcmp(a.data(), c.data(), a.size() * sizeof(float)), 0) << threads;
+    }
+    // Sequence 0 alone (its data depends on the seed and its index only).
+    const auto alone = RunDecode(be.get(), DType::kBf16, 16, s, {2100}, 11, &w, true);
+    EXPECT_EQ(std::memcmp(alone.data(), a.data(), alone.size() * sizeof(float)), 0);
   }
 }
 

@@ -117,6 +117,52 @@ TEST_P(MlaTest, AbsorbedDecodeOfASequenceIsIndependentOfItsBatch) {
   EXPECT_EQ(std::memcmp(alone.data(), batched.data(), alone.size() * sizeof(float)), 0);
 }
 
+// BackendOptions::bf16_products (see gqa_test.cc): the oracle takes q rounded to bf16;
+// the weights' rounding moves an output by at most 2^-9 max|v| (entries in [-1, 1]).
+TEST_P(MlaTest, Bf16ProductsAbsorbedDecodeMatchesOracleWithBf16Q) {
+  if (GetParam() != Backend::kCpuOptimized) GTEST_SKIP() << "bf16_products applies to cpu_optimized";
+  auto be = CreateBackend(Backend::kCpuOptimized, {.num_threads = 2, .bf16_products = true});
+  ASSERT_TRUE(be.ok()) << be.status();
+  if ((*be)->Describe().find("avx512_bf16") == std::string::npos) {
+    GTEST_SKIP() << "this CPU has no avx512_bf16 (" << (*be)->Describe()
+                 << "): bf16_products runs the exact path, which the other MlaTest checks cover";
+  }
+  uint32_t seed = 700;
+  for (int H : {1, 3, 4, 16, 128}) {
+    const std::vector<int> lens = {65, 0, 1, 64, H == 16 ? 1100 : 131};
+    PagedStore c(DType::kBf16, 64, kEntry, lens, seed++);
+    const int batch = static_cast<int>(lens.size());
+    std::vector<float> q = RandomVec(static_cast<size_t>(batch) * H * kEntry, seed++);
+    absl::StatusOr<std::vector<float>> got = RunAbsorbed(be->get(), c, DType::kBf16, q, H);
+    ASSERT_TRUE(got.ok()) << got.status();
+    double worst = 0;
+    for (int b = 0; b < batch; ++b) {
+      for (int h = 0; h < H; ++h) {
+        const size_t qi = static_cast<size_t>(b) * H + h;
+        std::vector<float> qh(&q[qi * kEntry], &q[qi * kEntry] + kEntry);
+        for (float& x : qh) x = RoundTo(DType::kBf16, x);
+        auto row = [&](int t) { return &c.tokens[b][static_cast<size_t>(t) * kEntry]; };
+        auto ref = OracleAttend(qh.data(), kEntry, kRank, lens[b], kScale, row, row);
+        worst = std::max(worst, WorstRatio(&(*got)[qi * kRank], ref, kRank, 1.0 / 512 + 2e-5, 0.0));
+      }
+    }
+    EXPECT_LE(worst, 1.0) << "heads=" << H;
+  }
+  // Bitwise the same for any thread count.
+  const std::vector<int> lens = {1100, 3};
+  PagedStore c(DType::kBf16, 64, kEntry, lens, 77);
+  const std::vector<float> q = RandomVec(static_cast<size_t>(2) * 16 * kEntry, 78);
+  auto a = RunAbsorbed(be->get(), c, DType::kBf16, q, 16);
+  ASSERT_TRUE(a.ok());
+  for (int threads : {1, 3}) {
+    auto other = CreateBackend(Backend::kCpuOptimized, {.num_threads = threads, .bf16_products = true});
+    ASSERT_TRUE(other.ok());
+    auto b = RunAbsorbed(other->get(), c, DType::kBf16, q, 16);
+    ASSERT_TRUE(b.ok());
+    EXPECT_EQ(std::memcmp(a->data(), b->data(), a->size() * sizeof(float)), 0) << threads;
+  }
+}
+
 TEST_P(MlaTest, RefusesPagesOtherThan64) {
   std::vector<uint16_t> pages(16 * kEntry);
   std::vector<int32_t> table = {0}, lens = {4};

@@ -52,6 +52,13 @@ struct BackendOptions {
   int num_threads = 0;  // cpu_optimized: 0 = hardware concurrency (at most 64)
   int device = 0;       // cuda: device ordinal
   bool portable_loops = false;  // cpu_optimized: skip AVX2 even where the CPU has it
+  // cpu_optimized, decode over bf16 caches (GQA, absorbed MLA): round q and the softmax
+  // weights to bf16 and multiply them by the cached bf16 values with AVX-512 BF16 dot
+  // products (vdpbf16ps, fp32 sums), as llama.cpp's and vLLM's CPU attention do and as
+  // tensor cores do: half the arithmetic instructions, results within bf16 rounding of
+  // q and p (~2^-9 relative per product) instead of fp32's. Where the CPU lacks
+  // avx512_bf16 (or the ISA is capped) the exact path runs; Describe() names the ISA.
+  bool bf16_products = false;
 };
 
 class KernelBackend {
