@@ -31,6 +31,10 @@
 // memory- to FMA-bound shapes (llama-70b-tp8, deepseek-v3-tp8); it is not the target.
 // Each target also names the shapes whose compute roof is below target x probe
 // ("fma_bound_below_target"): those cannot meet it with fp32 FMAs on this machine.
+// CPU GQA/MLA points also time a plain read of the same pages in the kernel's order
+// (PagedRead: no math, next page prefetched; "paged_read_bytes_per_s",
+// "fraction_of_paged_read"): explanatory, it says how much of the gap to the probe the
+// scattered pages alone explain on this machine.
 // --min-bytes lowers the smallest working set swept (to see cache-resident speed);
 // --huge-pages madvises host buffers for transparent huge pages.
 // --bf16-products: cpu_optimized with BackendOptions::bf16_products (q and softmax weights
@@ -197,6 +201,8 @@ struct Result {
   // fp32 FMA-unit operations (FMAs, and the multiplies of KDA) the kernel needs per
   // counted byte; see FmaPerByte*. Sets the compute roof with the FMA probe.
   double fma_per_byte = 0;
+  // CPU, GQA/MLA: seconds of PagedRead over the same pages (0: not measured).
+  double paged_read_s = 0;
 };
 
 // FMA-unit operations per counted byte, from the math alone (one lane = one fp32 FMA):
@@ -236,6 +242,14 @@ uint64_t g_sink = 0;  // keeps the read probe's sums alive
 
 // Sums [p, p + bytes) as 64-bit words on `threads` threads, 4 MiB slices claimed in
 // order (as CopyWithin does); several accumulators so the adds never limit it.
+// work() on `threads` threads (this one and threads - 1 new ones), joined.
+void RunOnThreads(int threads, const std::function<void()>& work) {
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(work);
+  work();
+  for (auto& t : pool) t.join();
+}
+
 void ReadAll(const void* p, size_t bytes, int threads) {
   constexpr size_t kSlice = size_t{4} << 20;
   std::atomic<size_t> next{0};
@@ -271,10 +285,7 @@ void ReadAll(const void* p, size_t bytes, int threads) {
     }
     sink.fetch_add(total);
   };
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(work);
-  work();
-  for (auto& t : pool) t.join();
+  RunOnThreads(threads, work);
   g_sink += sink.load();
 }
 
@@ -374,6 +385,56 @@ std::vector<int32_t> Table(int batch, int blocks) {
   return t;
 }
 
+// The kernels' memory pattern without their math: every sequence's pages in table order,
+// `page_bytes` from each of `streams` (K and V, or the MLA entries), summed with 16-byte
+// loads into 4 accumulators as ReadAll does, the next page of each stream prefetched
+// while one is read (a plain page walk without it ran at ~0.6-0.75 of this here). Work
+// items are (sequence, 1024-token split) on `threads` threads, as the decode kernels cut
+// them. An explanatory baseline, not the target's: what a plain read of the same
+// scattered pages reaches on this machine.
+void PagedRead(const std::vector<const char*>& streams, size_t page_bytes, const std::vector<int32_t>& table,
+               int batch, int blocks, int page, int threads) {
+  const int split_blocks = std::max(1, 1024 / page);
+  const int splits = (blocks + split_blocks - 1) / split_blocks;
+  std::atomic<int> next{0};
+  std::atomic<uint64_t> sink{0};
+  auto work = [&] {
+    uint64_t total = 0;
+    for (int item = next.fetch_add(1); item < batch * splits; item = next.fetch_add(1)) {
+      const int b = item / splits, i0 = (item % splits) * split_blocks, i1 = std::min(blocks, i0 + split_blocks);
+      const int32_t* row = table.data() + static_cast<size_t>(b) * blocks;
+#if defined(__x86_64__) || defined(__i386__)
+      __m128i a0 = _mm_setzero_si128(), a1 = a0, a2 = a0, a3 = a0;
+      for (int i = i0; i < i1; ++i) {
+        for (const char* base : streams) {
+          const char* w = base + static_cast<size_t>(row[i]) * page_bytes;
+          const char* nx = i + 1 < i1 ? base + static_cast<size_t>(row[i + 1]) * page_bytes : nullptr;
+          for (size_t j = 0; j + 64 <= page_bytes; j += 64) {
+            if (nx != nullptr) _mm_prefetch(nx + j, _MM_HINT_T0);
+            a0 = _mm_add_epi64(a0, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j)));
+            a1 = _mm_add_epi64(a1, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j + 16)));
+            a2 = _mm_add_epi64(a2, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j + 32)));
+            a3 = _mm_add_epi64(a3, _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j + 48)));
+          }
+        }
+      }
+      const __m128i sum = _mm_add_epi64(_mm_add_epi64(a0, a1), _mm_add_epi64(a2, a3));
+      total += static_cast<uint64_t>(_mm_cvtsi128_si64(sum));
+#else
+      for (int i = i0; i < i1; ++i) {
+        for (const char* base : streams) {
+          const uint64_t* u = reinterpret_cast<const uint64_t*>(base + static_cast<size_t>(row[i]) * page_bytes);
+          for (size_t j = 0; j < page_bytes / 8; ++j) total += u[j];
+        }
+      }
+#endif
+    }
+    sink.fetch_add(total);
+  };
+  RunOnThreads(threads, work);
+  g_sink += sink.load();
+}
+
 Result BenchGqa(KernelBackend* be, const char* shape, int nq, int nkv, int d, int page, int batch,
                 int ctx, double min_t) {
   const int blocks = (ctx + page - 1) / page, pages = batch * blocks;
@@ -389,8 +450,16 @@ Result BenchGqa(KernelBackend* be, const char* shape, int nq, int nkv, int d, in
   p.table = {tab.as<int32_t>(), lens.as<int32_t>(), batch, blocks};
   p.num_q_heads = nq;
   const double s = Time(be, [&] { Check(be->GqaDecode(p), "gqa decode"); }, min_t);
-  return {"gqa_decode", shape, batch, ctx, 2.0 * batch * ctx * nkv * d * 2, s, g_last_cores,
-          FmaPerByteGqa(nq, nkv, ElementBytes(DType::kBf16))};
+  Result r{"gqa_decode", shape, batch, ctx, 2.0 * batch * ctx * nkv * d * 2, s, g_last_cores,
+           FmaPerByteGqa(nq, nkv, ElementBytes(DType::kBf16))};
+  if (be->memory_space() == MemorySpace::kHost) {
+    const std::vector<int32_t> t = Table(batch, blocks);
+    r.paged_read_s = Time(be, [&] {
+      PagedRead({static_cast<const char*>(k.p), static_cast<const char*>(v.p)},
+                static_cast<size_t>(page) * nkv * d * 2, t, batch, blocks, page, be->num_threads());
+    }, min_t);
+  }
+  return r;
 }
 
 Result BenchMla(KernelBackend* be, const char* shape, int heads, int batch, int ctx, double min_t) {
@@ -408,8 +477,16 @@ Result BenchMla(KernelBackend* be, const char* shape, int heads, int batch, int 
   p.num_heads = heads;
   p.scale = 1.f / std::sqrt(192.f);
   const double s = Time(be, [&] { Check(be->MlaDecodeAbsorbed(p), "mla decode"); }, min_t);
-  return {"mla_decode", shape, batch, ctx, 1.0 * batch * ctx * 576 * 2, s, g_last_cores,
-          FmaPerByteMla(heads, ElementBytes(DType::kBf16))};
+  Result r{"mla_decode", shape, batch, ctx, 1.0 * batch * ctx * 576 * 2, s, g_last_cores,
+           FmaPerByteMla(heads, ElementBytes(DType::kBf16))};
+  if (be->memory_space() == MemorySpace::kHost) {
+    const std::vector<int32_t> t = Table(batch, blocks);
+    r.paged_read_s = Time(be, [&] {
+      PagedRead({static_cast<const char*>(c.p)}, static_cast<size_t>(page) * 576 * 2, t, batch, blocks, page,
+                be->num_threads());
+    }, min_t);
+  }
+  return r;
 }
 
 Result BenchKda(KernelBackend* be, const char* shape, int H, int dk, int dv, int batch, double min_t) {
@@ -555,6 +632,7 @@ int Main(int argc, char** argv) {
   struct Fractions {
     double of_probe, of_copy, cpu_normalized, compute_roof, roof, of_roof;
     bool fma_bound;  // the compute roof is the lower one
+    double paged_read_bw, of_paged_read;  // 0: not measured
   };
   auto fractions = [&](size_t i) {
     const Result& r = results[i];
@@ -565,7 +643,9 @@ int Main(int argc, char** argv) {
     const double norm = (r.cores > 0 && ref_cores > 0) ? (bw / r.cores) / (ref / ref_cores) : 0;
     const double compute = (pr.fma_lanes_per_s > 0 && r.fma_per_byte > 0) ? pr.fma_lanes_per_s / r.fma_per_byte : 0;
     const double roof = compute > 0 ? std::min(ref, compute) : ref;
-    return Fractions{bw / ref, bw / pr.copy_bw, norm, compute, roof, bw / roof, compute > 0 && compute < ref};
+    const double paged = r.paged_read_s > 0 ? r.bytes / r.paged_read_s : 0;
+    return Fractions{bw / ref, bw / pr.copy_bw, norm, compute, roof, bw / roof, compute > 0 && compute < ref,
+                     paged, paged > 0 ? bw / paged : 0};
   };
 
   // Targets: GQA at >= 4K context, MLA, KDA, over working sets >= 64 MiB and >= 2x the
@@ -579,6 +659,7 @@ int Main(int argc, char** argv) {
   std::string ttext;
   for (const auto& t : targets) {
     double worst = 1e9, best = 0, worst_norm = 1e9, worst_roof = 1e9, best_roof = 0;
+    double worst_paged = 1e9, worst_paged_of_probe = 1e9;  // paged read: of the kernel; of the probe
     int n = 0;
     const double goal = gpu ? t.gpu : t.cpu;
     // Shapes whose compute roof (fma probe / fma_per_byte) is below goal x the probe:
@@ -598,6 +679,10 @@ int Main(int argc, char** argv) {
       best = std::max(best, f.of_probe);
       worst_norm = std::min(worst_norm, f.cpu_normalized);
       worst_roof = std::min(worst_roof, f.of_roof);
+      if (f.paged_read_bw > 0) {
+        worst_paged = std::min(worst_paged, f.of_paged_read);
+        worst_paged_of_probe = std::min(worst_paged_of_probe, f.paged_read_bw / probe_bw);
+      }
       best_roof = std::max(best_roof, f.of_roof);
       ++n;
     }
@@ -622,13 +707,27 @@ int Main(int argc, char** argv) {
                   tjson.empty() ? "" : ", ", t.kernel, t.min_ctx, ReadOnly(t.kernel) ? "read" : "copy",
                   worst, best, worst_norm, goal, worst >= goal ? "true" : "false", worst_roof, best_roof);
     tjson += line;
-    tjson += roof_json + "]}";
+    tjson += roof_json + "]";
+    if (worst_paged < 1e9) {
+      std::snprintf(line, sizeof line,
+                    ", \"worst_fraction_of_paged_read\": %.3f, \"worst_paged_read_fraction_of_probe\": %.3f",
+                    worst_paged, worst_paged_of_probe);
+      tjson += line;
+    }
+    tjson += "}";
     std::snprintf(line, sizeof line,
                   "  %-11s ctx>=%-5d worst %.3f best %.3f of %s probe (cpu-normalized worst %.3f; "
                   "target %.2f) %s; of roof (explanatory, not the target) worst %.3f best %.3f\n",
                   t.kernel, t.min_ctx, worst, best, ReadOnly(t.kernel) ? "read" : "copy", worst_norm,
                   goal, worst >= goal ? "MET" : "NOT MET", worst_roof, best_roof);
     ttext += line;
+    if (worst_paged < 1e9) {
+      std::snprintf(line, sizeof line,
+                    "              a plain read of the same pages (explanatory): at worst %.3f of the %s probe; "
+                    "the kernel at worst %.3f of it\n",
+                    worst_paged_of_probe, ReadOnly(t.kernel) ? "read" : "copy", worst_paged);
+      ttext += line;
+    }
     if (!roof_text.empty()) {
       ttext += "              FMA-bound below the target here (fp32 FMAs cannot reach it on this machine): " +
                roof_text + "\n";
@@ -686,14 +785,16 @@ int Main(int argc, char** argv) {
                   "\"probe\": \"%s\", \"fraction_of_probe\": %.3f, \"fraction_of_copy\": %.3f, "
                   "\"cpu_normalized_fraction\": %.3f, \"cpu_cores_used\": %.2f, \"fma_per_byte\": %.3f, "
                   "\"compute_roof_bytes_per_s\": %s, \"roof_bytes_per_s\": %.4e, \"bound\": \"%s\", "
-                  "\"fraction_of_roof\": %.3f, \"fits_llc\": %s, "
+                  "\"fraction_of_roof\": %.3f, \"paged_read_bytes_per_s\": %s, \"fraction_of_paged_read\": %s, "
+                  "\"fits_llc\": %s, "
                   "\"counts_for_target\": %s}%s\n",
                   r.kernel.c_str(), r.shape.c_str(), r.kernel == "kda_decode" ? "fp32" : "bf16",
                   r.batch, r.context, r.bytes, r.seconds, r.bytes / r.seconds,
                   ReadOnly(r.kernel) ? "read" : "copy", f.of_probe, f.of_copy, f.cpu_normalized, r.cores,
                   r.fma_per_byte, f.compute_roof > 0 ? Sci(f.compute_roof).c_str() : "null", f.roof,
                   f.fma_bound ? "fma" : "memory",
-                  f.of_roof,
+                  f.of_roof, f.paged_read_bw > 0 ? Sci(f.paged_read_bw).c_str() : "null",
+                  f.paged_read_bw > 0 ? Sci(f.of_paged_read).c_str() : "null",
                   WorkingSet(r) <= static_cast<double>(llc) ? "true" : "false",
                   r.bytes >= target_min_bytes ? "true" : "false",
                   i + 1 < results.size() ? "," : "");
@@ -714,17 +815,17 @@ int Main(int argc, char** argv) {
                 llc / 1048576.0, g_best ? "fastest repetition (--best)" : "median repetition");
     std::printf("'roof' = min(probe, fma probe / fma_per_byte): explanatory, not the target; 'bound' = which "
                 "of the two is lower\n");
-    std::printf("%-11s %-16s %6s %7s %10s %9s %9s %9s %9s %6s %4s %7s %9s %8s %6s\n", "kernel", "shape", "batch",
-                "context", "MB", "GB/s", "fraction", "of_copy", "cpu_norm", "cores", "llc", "fma/B", "roofGB/s",
-                "of_roof", "bound");
+    std::printf("%-11s %-16s %6s %7s %10s %9s %9s %9s %9s %6s %4s %7s %9s %8s %6s %8s %8s\n", "kernel", "shape",
+                "batch", "context", "MB", "GB/s", "fraction", "of_copy", "cpu_norm", "cores", "llc", "fma/B",
+                "roofGB/s", "of_roof", "bound", "pagedGB/s", "of_paged");
     for (size_t i = 0; i < results.size(); ++i) {
       const auto& r = results[i];
       const Fractions f = fractions(i);
-      std::printf("%-11s %-16s %6d %7d %10.1f %9.2f %9.3f %9.3f %9.3f %6.2f %4s %7.2f %9.2f %8.3f %6s\n",
+      std::printf("%-11s %-16s %6d %7d %10.1f %9.2f %9.3f %9.3f %9.3f %6.2f %4s %7.2f %9.2f %8.3f %6s %8.2f %8.3f\n",
                   r.kernel.c_str(), r.shape.c_str(), r.batch, r.context, r.bytes / 1e6, r.bytes / r.seconds / 1e9,
                   f.of_probe, f.of_copy, f.cpu_normalized, r.cores,
                   gpu ? "-" : (WorkingSet(r) <= static_cast<double>(llc) ? "in" : "out"), r.fma_per_byte,
-                  f.roof / 1e9, f.of_roof, f.fma_bound ? "fma" : "mem");
+                  f.roof / 1e9, f.of_roof, f.fma_bound ? "fma" : "mem", f.paged_read_bw / 1e9, f.of_paged_read);
     }
     std::printf("targets (working sets >= %.0f MiB = max(64 MiB, 2x LLC); gqa/mla vs the read probe, kda vs "
                 "the copy probe):\n%s",
