@@ -1,7 +1,9 @@
-// AVX-512 (F + BW) variant of the bf16 decode fast path; every other inner loop is the
-// AVX2 one. This file alone is compiled with -mavx512f -mavx512bw (and AVX2's flags) and
-// is only called after BestOps() checked the CPU; it includes nothing but intrinsics,
-// cpu_simd.h and cpu_simd_paired.h (see the note in cpu_simd.h).
+// AVX-512 (F + BW) variant of the bf16 decode fast path, and its bf16-products variant
+// (AVX512_BF16, below); every other inner loop is the AVX2 one. This file alone is
+// compiled with -mavx512f -mavx512bw -mavx512bf16 (and AVX2's flags); its tables are only
+// used after BestOps() / BestBf16ProductOps() checked the CPU (only the dot:: functions
+// use BF16 instructions); it includes nothing but intrinsics, cpu_simd.h and
+// cpu_simd_paired.h (see the note in cpu_simd.h).
 //
 // Layout (SimdOps::pair_block = 32): a vector is cut into blocks of 32 elements and each
 // block is stored as its 16 even then its 16 odd elements, so one 64-byte load of 32
