@@ -118,6 +118,12 @@ template <int NR, int NT>
 inline void ScoreRows(const float* qp, int dim, const void* const* rows, int T, float scale, float* s, int ld) {
   int t = 0;
   for (; t + NT <= T; t += NT) Score<NR, NT>(qp, dim, rows + t, scale, s + t, ld);
+  if constexpr (NT > 2) {  // e.g. the 2-token sub-blocks of MLA with 3-7 heads
+    if (t + 2 <= T) {
+      Score<NR, 2>(qp, dim, rows + t, scale, s + t, ld);
+      t += 2;
+    }
+  }
   for (; t < T; ++t) Score<NR, 1>(qp, dim, rows + t, scale, s + t, ld);
 }
 
