@@ -130,7 +130,7 @@ TEST_P(GqaTest, DecodeIsBitwiseReproducible) {
 
 // BackendOptions::bf16_products: decode on bf16 products (vdpbf16ps) where the CPU has
 // avx512_bf16, against the oracle with q rounded to bf16 (tolerance above): group sizes
-// 1-12 (8-row, 4-row and 1-3-row score blocks), d 64/128, pages 1/16/64, odd tiles (37,
+// 1-12 (4-row score blocks and 1-3-row remainders), d 64/128, pages 1/16/64, odd tiles (37,
 // 130 tokens: a token pair with no second row), splits, NaN in every unowned slot; then
 // bitwise independence of the thread count and of the batch.
 std::unique_ptr<KernelBackend> Bf16ProductBackend(int threads) {
