@@ -442,7 +442,8 @@ Result BenchGqa(KernelBackend* be, const char* shape, int nq, int nkv, int d, in
   Buf k(be, kv_bytes, DType::kBf16, 1), v(be, kv_bytes, DType::kBf16, 2);
   Buf q(be, std::vector<float>(static_cast<size_t>(batch) * nq * d, 0.01f));
   Buf out(be, std::vector<float>(static_cast<size_t>(batch) * nq * d, 0.f));
-  Buf tab(be, Table(batch, blocks)), lens(be, std::vector<int32_t>(batch, ctx));
+  const std::vector<int32_t> table = Table(batch, blocks);
+  Buf tab(be, table), lens(be, std::vector<int32_t>(batch, ctx));
   GqaDecodeParams p;
   p.q = q.as<float>();
   p.out = out.as<float>();
@@ -453,10 +454,9 @@ Result BenchGqa(KernelBackend* be, const char* shape, int nq, int nkv, int d, in
   Result r{"gqa_decode", shape, batch, ctx, 2.0 * batch * ctx * nkv * d * 2, s, g_last_cores,
            FmaPerByteGqa(nq, nkv, ElementBytes(DType::kBf16))};
   if (be->memory_space() == MemorySpace::kHost) {
-    const std::vector<int32_t> t = Table(batch, blocks);
     r.paged_read_s = Time(be, [&] {
       PagedRead({static_cast<const char*>(k.p), static_cast<const char*>(v.p)},
-                static_cast<size_t>(page) * nkv * d * 2, t, batch, blocks, page, be->num_threads());
+                static_cast<size_t>(page) * nkv * d * 2, table, batch, blocks, page, be->num_threads());
     }, min_t);
   }
   return r;
@@ -467,7 +467,8 @@ Result BenchMla(KernelBackend* be, const char* shape, int heads, int batch, int 
   Buf c(be, static_cast<size_t>(pages) * page * 576 * 2, DType::kBf16, 3);
   Buf q(be, std::vector<float>(static_cast<size_t>(batch) * heads * 576, 0.01f));
   Buf out(be, std::vector<float>(static_cast<size_t>(batch) * heads * 512, 0.f));
-  Buf tab(be, Table(batch, blocks)), lens(be, std::vector<int32_t>(batch, ctx));
+  const std::vector<int32_t> table = Table(batch, blocks);
+  Buf tab(be, table), lens(be, std::vector<int32_t>(batch, ctx));
   MlaDecodeParams p;
   p.q = q.as<float>();
   p.out = out.as<float>();
@@ -480,9 +481,8 @@ Result BenchMla(KernelBackend* be, const char* shape, int heads, int batch, int 
   Result r{"mla_decode", shape, batch, ctx, 1.0 * batch * ctx * 576 * 2, s, g_last_cores,
            FmaPerByteMla(heads, ElementBytes(DType::kBf16))};
   if (be->memory_space() == MemorySpace::kHost) {
-    const std::vector<int32_t> t = Table(batch, blocks);
     r.paged_read_s = Time(be, [&] {
-      PagedRead({static_cast<const char*>(c.p)}, static_cast<size_t>(page) * 576 * 2, t, batch, blocks, page,
+      PagedRead({static_cast<const char*>(c.p)}, static_cast<size_t>(page) * 576 * 2, table, batch, blocks, page,
                 be->num_threads());
     }, min_t);
   }

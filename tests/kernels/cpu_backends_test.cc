@@ -8,5 +8,6 @@ namespace kvpool::kernels::testing {
 INSTANTIATE_TEST_SUITE_P(Cpu, GqaTest, KVPOOL_CPU_BACKENDS);
 INSTANTIATE_TEST_SUITE_P(Cpu, MlaTest, KVPOOL_CPU_BACKENDS);
 INSTANTIATE_TEST_SUITE_P(Cpu, KdaTest, KVPOOL_CPU_BACKENDS);
+INSTANTIATE_TEST_SUITE_P(Bf16, Bf16ProductsTest, ::testing::Values(Backend::kCpuOptimized), BackendParamName);
 
 }  // namespace kvpool::kernels::testing

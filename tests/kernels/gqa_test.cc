@@ -139,8 +139,7 @@ std::unique_ptr<KernelBackend> Bf16ProductBackend(int threads) {
   return be.ok() ? std::move(*be) : nullptr;
 }
 
-TEST_P(GqaTest, Bf16ProductsDecodeMatchesOracleWithBf16Q) {
-  if (GetParam() != Backend::kCpuOptimized) GTEST_SKIP() << "bf16_products applies to cpu_optimized";
+TEST_P(Bf16ProductsTest, GqaDecodeMatchesOracleWithBf16Q) {
   auto be = Bf16ProductBackend(2);
   ASSERT_NE(be, nullptr);
   if (be->Describe().find("avx512_bf16") == std::string::npos) {
@@ -164,8 +163,7 @@ TEST_P(GqaTest, Bf16ProductsDecodeMatchesOracleWithBf16Q) {
   EXPECT_LE(worst, 1.0) << "fp16";
 }
 
-TEST_P(GqaTest, Bf16ProductsDecodeIsBitwiseReproducible) {
-  if (GetParam() != Backend::kCpuOptimized) GTEST_SKIP() << "bf16_products applies to cpu_optimized";
+TEST_P(Bf16ProductsTest, GqaDecodeIsBitwiseReproducible) {
   auto be = Bf16ProductBackend(2);
   ASSERT_NE(be, nullptr);
   for (GqaShape s : {GqaShape{64, 12, 1}, GqaShape{128, 8, 1}}) {

@@ -32,6 +32,9 @@ class KernelTest : public ::testing::TestWithParam<Backend> {
 class GqaTest : public KernelTest {};
 class MlaTest : public KernelTest {};
 class KdaTest : public KernelTest {};
+// BackendOptions::bf16_products checks: a cpu_optimized option, so kernels_test
+// instantiates them for cpu_optimized only (prefix Bf16, outside the isa_avx2 rerun).
+class Bf16ProductsTest : public KernelTest {};
 
 inline std::string BackendParamName(const ::testing::TestParamInfo<Backend>& info) {
   return std::string(BackendName(info.param));

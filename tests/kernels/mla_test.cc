@@ -119,8 +119,7 @@ TEST_P(MlaTest, AbsorbedDecodeOfASequenceIsIndependentOfItsBatch) {
 
 // BackendOptions::bf16_products (see gqa_test.cc): the oracle takes q rounded to bf16;
 // the weights' rounding moves an output by at most 2^-9 max|v| (entries in [-1, 1]).
-TEST_P(MlaTest, Bf16ProductsAbsorbedDecodeMatchesOracleWithBf16Q) {
-  if (GetParam() != Backend::kCpuOptimized) GTEST_SKIP() << "bf16_products applies to cpu_optimized";
+TEST_P(Bf16ProductsTest, MlaAbsorbedDecodeMatchesOracleWithBf16Q) {
   auto be = CreateBackend(Backend::kCpuOptimized, {.num_threads = 2, .bf16_products = true});
   ASSERT_TRUE(be.ok()) << be.status();
   if ((*be)->Describe().find("avx512_bf16") == std::string::npos) {
