@@ -194,19 +194,37 @@ inline void FoldTileAny(const SimdOps& ops, bool paired, const SoftmaxRows& st, 
   }
 }
 
-// Back to natural order: the R accumulator rows of a split on the paired path.
-inline void UnpairRows(const SimdOps& ops, float* acc, int R, int dv, std::vector<float>* tmp) {
-  tmp->resize(dv);
-  for (int r = 0; r < R; ++r) {
-    float* a = acc + int64_t{r} * dv;
-    std::copy(a, a + dv, tmp->data());
-    ops.unpair16(tmp->data(), a, dv);
+// The running max, sum and accumulators of one split, kept in the worker thread's own
+// memory while the split runs and copied to the merge workspace once at its end (back
+// in natural order on the paired path). Written in place, neighbouring splits' m/l
+// (and the lines where their accumulators meet) shared cache lines that the two
+// threads wrote every tile.
+struct SplitState {
+  std::vector<float> m, l, acc;
+  SoftmaxRows Start(int R, int dv) {
+    m.resize(R);
+    l.resize(R);
+    acc.resize(static_cast<size_t>(R) * dv);
+    const SoftmaxRows st{R, dv, m.data(), l.data(), acc.data()};
+    st.Reset();
+    return st;
   }
-}
+  void Finish(const SimdOps& ops, bool paired, const SoftmaxRows& st, float* ws_m, float* ws_l,
+              float* ws_acc) const {
+    std::copy(m.begin(), m.end(), ws_m);
+    std::copy(l.begin(), l.end(), ws_l);
+    if (!paired) {
+      std::copy(acc.begin(), acc.end(), ws_acc);
+      return;
+    }
+    for (int r = 0; r < st.R; ++r) ops.unpair16(st.acc + int64_t{r} * st.dv, ws_acc + int64_t{r} * st.dv, st.dv);
+  }
+};
 
 // Per-thread scratch reused across calls (pool threads live as long as the backend).
 struct Scratch {
-  std::vector<float> qp, s, tmp;
+  std::vector<float> qp, s;
+  SplitState split;
   std::vector<const void*> krows, vrows;
 };
 Scratch& ThreadScratch() {
@@ -231,9 +249,8 @@ void CpuGqaDecode(const CpuContext& cx, const GqaDecodeParams& p) {
     const Split& sp = splits[si];
     const int32_t* row = p.table.block_table + int64_t{sp.b} * p.table.max_blocks;
     const float* q = p.q + int64_t{sp.b} * Hq * d;
-    const SoftmaxRows all{Hq, d, &ws_m[si * Hq], &ws_l[si * Hq], &ws_acc[si * Hq * d]};
-    all.Reset();
     Scratch& scr = ThreadScratch();
+    const SoftmaxRows all = scr.split.Start(Hq, d);
     const float* qp = nullptr;
     if (paired) {
       scr.qp.resize(static_cast<size_t>(Hq) * d);
@@ -304,7 +321,7 @@ void CpuGqaDecode(const CpuContext& cx, const GqaDecodeParams& p) {
         FoldTileAny(*cx.ops, paired, st, T, sbuf + int64_t{h} * G * kTile, vrows + h * kTile, elem);
       }
     }
-    if (paired) UnpairRows(*cx.ops, all.acc, Hq, d, &scr.tmp);
+    scr.split.Finish(*cx.ops, paired, all, &ws_m[si * Hq], &ws_l[si * Hq], &ws_acc[si * Hq * d]);
   });
   MergeSplits(cx, first, p.table.batch, Hq, d, ws_m, ws_l, ws_acc, p.out);
 }
@@ -322,9 +339,8 @@ void CpuMlaDecodeAbsorbed(const CpuContext& cx, const MlaDecodeParams& p) {
   cx.pool->ParallelFor(static_cast<int64_t>(splits.size()), [&](int64_t si) {
     const Split& sp = splits[si];
     const int32_t* row = p.table.block_table + int64_t{sp.b} * p.table.max_blocks;
-    const SoftmaxRows st{H, rank, &ws_m[si * H], &ws_l[si * H], &ws_acc[si * H * rank]};
-    st.Reset();
     Scratch& scr = ThreadScratch();
+    const SoftmaxRows st = scr.split.Start(H, rank);
     scr.s.resize(static_cast<size_t>(kTile) * H);
     float* s = scr.s.data();
     const SlotMap map(row, kv.page_size);
@@ -352,7 +368,7 @@ void CpuMlaDecodeAbsorbed(const CpuContext& cx, const MlaDecodeParams& p) {
       // V = the first 512 of each entry; paired blocks of the latent are the entry's.
       FoldTileAny(*cx.ops, paired, st, T, s, rows, elem);
     }
-    if (paired) UnpairRows(*cx.ops, st.acc, H, rank, &scr.tmp);
+    scr.split.Finish(*cx.ops, paired, st, &ws_m[si * H], &ws_l[si * H], &ws_acc[si * H * rank]);
   });
   MergeSplits(cx, first, p.table.batch, H, rank, ws_m, ws_l, ws_acc, p.out);
 }
