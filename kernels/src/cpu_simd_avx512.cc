@@ -196,6 +196,9 @@ inline void AccumRows(const float* p, int ld, const void* const* rows, int T, in
   for (int r = 0; r < NR; ++r) WeightPairs(p + r * ld, T, w + r * (kTile / 2));
   int j = 0;
   for (; j + 32 * NC <= dv; j += 32 * NC) Accum<NR, NC>(w, rows, T, j, dv, accp);
+  if constexpr (NC > 2) {  // as paired::AccumPRows: two blocks, twice the chains of one
+    for (; j + 64 <= dv; j += 64) Accum<NR, 2>(w, rows, T, j, dv, accp);
+  }
   for (; j < dv; j += 32) Accum<NR, 1>(w, rows, T, j, dv, accp);
 }
 
