@@ -40,9 +40,11 @@ struct SimdOps {
   float (*dot)(const float* a, const float* b, int n);
   // One KDA step of one head (kda.h) with alpha = exp(g) given:
   //   u = S^T (alpha*k); S = Diag(alpha) S + k (beta (v - u))^T; out = scale S^T q.
-  // S: [dk][dv] in place; u: [dv] scratch.
+  // S: [dk][dv] in place; u: [dv] scratch. next: the [dk][dv] state the caller steps
+  // next (nullptr: none), prefetched row by row while S is read.
   void (*kda_step)(float* S, int dk, int dv, const float* q, const float* k, const float* v,
-                   const float* alpha, float beta, float scale, float* out, float* u);
+                   const float* alpha, float beta, float scale, float* out, float* u,
+                   const float* next);
 
   // bf16 decode fast path (nullptr where the ISA has none; callers then use score /
   // accum). It works in the "paired" layout: a vector is cut into blocks of 16

@@ -337,11 +337,17 @@ float Dot(const float* a, const float* b, int n) {
 }
 
 void KdaStep(float* S, int dk, int dv, const float* q, const float* k, const float* v,
-             const float* alpha, float beta, float scale, float* out, float* u) {
-  // Pass 1 (reads S once, row-major): u = S^T (alpha * k).
+             const float* alpha, float beta, float scale, float* out, float* u, const float* next) {
+  // Pass 1 (reads S once, row-major): u = S^T (alpha * k). Row i of the next state is
+  // asked for (into L2) as row i of this one is read, so a small state's step is not a
+  // wait for memory and then compute.
   for (int j = 0; j < dv; ++j) u[j] = 0.f;
   for (int i = 0; i < dk; ++i) {
     if (i + 1 < dk) _mm_prefetch(reinterpret_cast<const char*>(S + (i + 1) * dv), _MM_HINT_T0);
+    if (next != nullptr) {
+      const char* row = reinterpret_cast<const char*>(next + int64_t{i} * dv);
+      for (int64_t b = 0; b < int64_t{dv} * 4; b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
+    }
     Axpy(alpha[i] * k[i], S + i * dv, u, dv);
   }
   for (int j = 0; j < dv; ++j) u[j] = beta * (v[j] - u[j]);

@@ -72,7 +72,7 @@ float Dot(const float* a, const float* b, int n) {
 }
 
 void KdaStep(float* S, int dk, int dv, const float* q, const float* k, const float* v,
-             const float* alpha, float beta, float scale, float* out, float* u) {
+             const float* alpha, float beta, float scale, float* out, float* u, const float* /*next*/) {
   for (int j = 0; j < dv; ++j) u[j] = 0.f;
   for (int i = 0; i < dk; ++i) Axpy(alpha[i] * k[i], S + i * dv, u, dv);
   for (int j = 0; j < dv; ++j) u[j] = beta * (v[j] - u[j]);

@@ -79,7 +79,10 @@ void OracleRun(const KdaInputs& in, int t0, int t1, float scale, bool l2, std::v
 }
 
 TEST_P(KdaTest, DecodeStepsMatchOracleAndLeaveOtherSlotsAlone) {
-  for (auto [dk, dv, l2] : {std::tuple{64, 64, false}, std::tuple{17, 33, true}}) {
+  // The third case has gates above 0 (alpha > 1, outside kda.h's g <= 0): decode still
+  // follows the recurrence (the optimized backend then takes std::exp per element).
+  for (auto [dk, dv, l2, g_hi] : {std::tuple{64, 64, false, 0.f}, std::tuple{17, 33, true, 0.f},
+                                  std::tuple{64, 32, false, 0.05f}}) {
     const int H = 2, slots = 5, steps = 12;
     const std::vector<int32_t> slot_ids = {4, 0, 2};
     const int batch = static_cast<int>(slot_ids.size());
@@ -95,7 +98,7 @@ TEST_P(KdaTest, DecodeStepsMatchOracleAndLeaveOtherSlotsAlone) {
     double worst = 0;
     for (int step = 0; step < steps; ++step) {
       // Token `step` of every sequence: inputs laid out [batch][H][...].
-      const KdaInputs in = MakeInputs(batch, H, dk, dv, 1000 + step);
+      const KdaInputs in = MakeInputs(batch, H, dk, dv, 1000 + step, -0.3f, g_hi);
       std::vector<float> out(static_cast<size_t>(batch) * H * dv, std::nanf(""));
       DeviceBuf dq(be_.get(), in.q), dk_(be_.get(), in.k), dv_(be_.get(), in.v), dg(be_.get(), in.g),
           db(be_.get(), in.beta), dout(be_.get(), out);
