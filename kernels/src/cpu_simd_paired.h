@@ -42,18 +42,35 @@ void Unpair(const float* x, float* y, int n) {
 // s[r * ld + t] = scale * (lane sum of acc[r * NT + t]). Lane sums 8 accumulators at a
 // time (HSum8 sums each in the same order whatever its position, so any grouping of rows
 // and tokens gives the same bits).
+// Where the traits have SumLanes<N> (AVX-512), up to 8 sums take SumLanes<8> and more
+// take SumLanes<16> per 16 (zero-padded); every sum gets the same order either way.
 template <typename I, int NR, int NT>
 [[gnu::always_inline]] inline void StoreScores(const typename I::V* acc, float scale, float* s, int ld) {
   using V = typename I::V;
-  constexpr int kGroups = (NR * NT + 7) / 8;
-  alignas(32) float out[8 * kGroups];
-  for (int g = 0; g < kGroups; ++g) {
-    V all[8];
-    for (int k = 0; k < 8; ++k) all[k] = 8 * g + k < NR * NT ? acc[8 * g + k] : I::Zero();
-    _mm256_store_ps(out + 8 * g, _mm256_mul_ps(_mm256_set1_ps(scale), I::HSum8(all)));
-  }
-  for (int r = 0; r < NR; ++r) {
-    for (int t = 0; t < NT; ++t) s[r * ld + t] = out[r * NT + t];
+  constexpr int kN = NR * NT;
+  if constexpr (requires(const V* a, float* o) { I::template SumLanes<16>(a, o); }) {
+    constexpr int kW = kN <= 8 ? 8 : 16;
+    constexpr int kGroups = (kN + kW - 1) / kW;
+    alignas(64) float out[kW * kGroups];
+    for (int g = 0; g < kGroups; ++g) {
+      V all[kW];
+      for (int k = 0; k < kW; ++k) all[k] = kW * g + k < kN ? acc[kW * g + k] : I::Zero();
+      I::template SumLanes<kW>(all, out + kW * g);
+    }
+    for (int r = 0; r < NR; ++r) {
+      for (int t = 0; t < NT; ++t) s[r * ld + t] = scale * out[r * NT + t];
+    }
+  } else {
+    constexpr int kGroups = (kN + 7) / 8;
+    alignas(32) float out[8 * kGroups];
+    for (int g = 0; g < kGroups; ++g) {
+      V all[8];
+      for (int k = 0; k < 8; ++k) all[k] = 8 * g + k < kN ? acc[8 * g + k] : I::Zero();
+      _mm256_store_ps(out + 8 * g, _mm256_mul_ps(_mm256_set1_ps(scale), I::HSum8(all)));
+    }
+    for (int r = 0; r < NR; ++r) {
+      for (int t = 0; t < NT; ++t) s[r * ld + t] = out[r * NT + t];
+    }
   }
 }
 
