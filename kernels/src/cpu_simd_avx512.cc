@@ -98,6 +98,51 @@ struct Isa {
   }
 };
 
+// ---- softmax of a tile, 16 lanes (the AVX2 table's Exp8 algorithm, lane for lane) ----
+
+// Cephes-style expf as cpu_simd_avx2.cc's Exp8: |rel err| < 2e-7 on [-87, 0]; inputs
+// below -87 give 0.
+inline __m512 Exp16(__m512 x) {
+  const __mmask16 zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-87.f));
+  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+  // (masked form: gcc 12 warns that the unmasked one reads an uninitialized source)
+  fx = _mm512_mask_roundscale_ps(fx, 0xFFFF, fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~zero), y, _mm512_castsi512_ps(e));
+}
+
+inline __mmask16 Head(int n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+
+float MaxOf16(const float* x, int n) {
+  __m512 m = _mm512_set1_ps(-__builtin_inff());
+  for (int i = 0; i < n; i += 16) m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, Head(n - i), x + i));
+  return _mm512_reduce_max_ps(m);
+}
+
+// x[i] = exp(x[i] - m), returns the sum; the tail's lanes past n are -inf (exp 0) and
+// not stored.
+float ExpSubSum16(float* x, int n, float m) {
+  const __m512 vm = _mm512_set1_ps(m), ninf = _mm512_set1_ps(-__builtin_inff());
+  __m512 sum = _mm512_setzero_ps();
+  for (int i = 0; i < n; i += 16) {
+    const __mmask16 k = Head(n - i);
+    const __m512 e = Exp16(_mm512_sub_ps(_mm512_mask_loadu_ps(ninf, k, x + i), vm));
+    _mm512_mask_storeu_ps(x + i, k, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
 // ---- bf16 products (AVX512_BF16; Avx512Bf16Ops, BackendOptions::bf16_products) ----
 // q rows are rounded to bf16 once per split and stored as 32 bf16 per block of 32
 // elements, in order, in the first half of the block's 32 float slots (so row and block
@@ -281,6 +326,8 @@ const SimdOps* Avx512Ops() {
   static const SimdOps ops = [avx2] {
     SimdOps o = *avx2;
     o.isa = "avx512";
+    o.max_of = MaxOf16;
+    o.exp_sub_sum = ExpSubSum16;
     o.pair16 = paired::Pair<Isa>;
     o.unpair16 = paired::Unpair<Isa>;
     o.score_bf16p = paired::ScoreBf16P<Isa>;
