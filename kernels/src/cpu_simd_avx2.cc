@@ -9,6 +9,48 @@
 namespace kvpool::kernels::internal {
 namespace {
 
+// The traits of cpu_simd_paired.h's kernels (and ExpPoly there), 8 fp32 lanes.
+struct Isa {
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  // Column blocks per AccumP call for 1..4 rows (16 ymm registers).
+  static constexpr int kAccumCols[5] = {0, 4, 2, 1, 1};
+  static constexpr int kMaxScoreAccum = 8;  // 16 ymm registers
+  static V Zero() { return _mm256_setzero_ps(); }
+  static V Load(const float* p) { return _mm256_loadu_ps(p); }
+  static void Store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V Set1(float x) { return _mm256_set1_ps(x); }
+  static V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V Mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V Add(V a, V b) { return _mm256_add_ps(a, b); }
+  // Pins v to a register: the compiler may no longer fold the load that produced it into
+  // each instruction that uses it. gcc otherwise turns one load feeding two (or NT) uses
+  // into a memory operand per use, and the decode score loops then issue more loads than
+  // FMAs, which the core's two 256-bit load ports cannot feed (perf: the MLA score loop
+  // loaded each q chunk twice and each K chunk twice per 16 FMAs).
+  template <typename T>
+  [[gnu::always_inline]] static void InRegister(T& v) {
+    asm("" : "+x"(v));
+  }
+  // 16 bf16 at row + i (elements) as fp32: even elements -> *e, odd -> *o.
+  [[gnu::always_inline]] static void LoadPair(const void* row, int i, V* e, V* o) {
+    __m256i raw =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + i));
+    InRegister(raw);  // one load for both halves
+    *e = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+    *o = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  // The 8 lane sums of a[0..7], one per lane, each reduced as ((l0+l1)+(l2+l3)) +
+  // ((l4+l5)+(l6+l7)) whatever its position (so a score does not depend on grouping).
+  [[gnu::always_inline]] static __m256 HSum8(const V* a) {
+    const __m256 h0 = _mm256_hadd_ps(a[0], a[1]), h1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 h2 = _mm256_hadd_ps(a[4], a[5]), h3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 g0 = _mm256_hadd_ps(h0, h1), g1 = _mm256_hadd_ps(h2, h3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31));
+  }
+};
+
+
 template <Elem E>
 inline __m256 Load8(const void* row, int i) {
   if constexpr (E == Elem::kF32) {
@@ -255,13 +297,7 @@ inline __m256 Exp8(__m256 x) {
   fx = _mm256_floor_ps(fx);
   x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
   x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  __m256 y = paired::ExpPoly<Isa>(x);
   const __m256i e = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
   y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
@@ -375,43 +411,6 @@ void KdaStep(float* S, int dk, int dv, const float* q, const float* k, const flo
 
 // ---- bf16 decode fast path, paired layout (see cpu_simd.h, cpu_simd_paired.h) ----
 
-struct Isa {
-  using V = __m256;
-  static constexpr int kLanes = 8;
-  // Column blocks per AccumP call for 1..4 rows (16 ymm registers).
-  static constexpr int kAccumCols[5] = {0, 4, 2, 1, 1};
-  static constexpr int kMaxScoreAccum = 8;  // 16 ymm registers
-  static V Zero() { return _mm256_setzero_ps(); }
-  static V Load(const float* p) { return _mm256_loadu_ps(p); }
-  static void Store(float* p, V v) { _mm256_storeu_ps(p, v); }
-  static V Set1(float x) { return _mm256_set1_ps(x); }
-  static V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  // Pins v to a register: the compiler may no longer fold the load that produced it into
-  // each instruction that uses it. gcc otherwise turns one load feeding two (or NT) uses
-  // into a memory operand per use, and the decode score loops then issue more loads than
-  // FMAs, which the core's two 256-bit load ports cannot feed (perf: the MLA score loop
-  // loaded each q chunk twice and each K chunk twice per 16 FMAs).
-  template <typename T>
-  [[gnu::always_inline]] static void InRegister(T& v) {
-    asm("" : "+x"(v));
-  }
-  // 16 bf16 at row + i (elements) as fp32: even elements -> *e, odd -> *o.
-  [[gnu::always_inline]] static void LoadPair(const void* row, int i, V* e, V* o) {
-    __m256i raw =
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + i));
-    InRegister(raw);  // one load for both halves
-    *e = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-    *o = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-  }
-  // The 8 lane sums of a[0..7], one per lane, each reduced as ((l0+l1)+(l2+l3)) +
-  // ((l4+l5)+(l6+l7)) whatever its position (so a score does not depend on grouping).
-  [[gnu::always_inline]] static __m256 HSum8(const V* a) {
-    const __m256 h0 = _mm256_hadd_ps(a[0], a[1]), h1 = _mm256_hadd_ps(a[2], a[3]);
-    const __m256 h2 = _mm256_hadd_ps(a[4], a[5]), h3 = _mm256_hadd_ps(a[6], a[7]);
-    const __m256 g0 = _mm256_hadd_ps(h0, h1), g1 = _mm256_hadd_ps(h2, h3);
-    return _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31));
-  }
-};
 
 const SimdOps kAvx2 = {"avx2",
                        Score,

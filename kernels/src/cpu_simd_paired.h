@@ -7,7 +7,7 @@
 //
 // A traits type I provides:
 //   V, kLanes                   vector type and its fp32 lanes; a block is 2 * kLanes
-//   Zero(), Load(p), Store(p, v), Set1(x), Fma(a, b, c) = a * b + c
+//   Zero(), Load(p), Store(p, v), Set1(x), Fma(a, b, c) = a * b + c, Mul(a, b), Add(a, b)
 //   LoadPair(row, i, &e, &o)    2 * kLanes bf16 at row + i: even elements -> e, odd -> o
 //   HSum8(const V* a) -> __m256 the 8 lane sums of a[0..7], each in a fixed order
 //   InRegister(v)               pins v to a register (see cpu_simd_avx2.cc)
@@ -16,6 +16,20 @@
 #pragma once
 
 namespace kvpool::kernels::internal::paired {
+
+// The Cephes expf polynomial: exp(x) for x reduced to [-ln2/2, ln2/2] (the softmax
+// exps of both tables, cpu_simd_avx2.cc's Exp8 and cpu_simd_avx512.cc's Exp16, scale it
+// by 2^n).
+template <typename I>
+[[gnu::always_inline]] inline typename I::V ExpPoly(typename I::V x) {
+  typename I::V y = I::Set1(1.9875691500e-4f);
+  y = I::Fma(y, x, I::Set1(1.3981999507e-3f));
+  y = I::Fma(y, x, I::Set1(8.3334519073e-3f));
+  y = I::Fma(y, x, I::Set1(4.1665795894e-2f));
+  y = I::Fma(y, x, I::Set1(1.6666665459e-1f));
+  y = I::Fma(y, x, I::Set1(5.0000001201e-1f));
+  return I::Fma(y, I::Mul(x, x), I::Add(x, I::Set1(1.f)));
+}
 
 template <typename I>
 void Pair(const float* x, float* y, int n) {
