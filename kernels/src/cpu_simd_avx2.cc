@@ -50,7 +50,6 @@ struct Isa {
   }
 };
 
-
 template <Elem E>
 inline __m256 Load8(const void* row, int i) {
   if constexpr (E == Elem::kF32) {
@@ -409,8 +408,8 @@ void KdaStep(float* S, int dk, int dv, const float* q, const float* k, const flo
   Scal(scale, out, dv);
 }
 
-// ---- bf16 decode fast path, paired layout (see cpu_simd.h, cpu_simd_paired.h) ----
-
+// ---- bf16 decode fast path, paired layout (see cpu_simd.h, cpu_simd_paired.h; the traits
+// Isa above) ----
 
 const SimdOps kAvx2 = {"avx2",
                        Score,

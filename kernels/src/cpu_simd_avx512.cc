@@ -1,5 +1,6 @@
-// AVX-512 (F + BW) variant of the bf16 decode fast path, and its bf16-products variant
-// (AVX512_BF16, below); every other inner loop is the AVX2 one. This file alone is
+// AVX-512 (F + BW) variant of the bf16 decode fast path and of the softmax's max and
+// exp-sum, and the bf16-products variant (AVX512_BF16, below); every other inner loop is
+// the AVX2 one. This file alone is
 // compiled with -mavx512f -mavx512bw -mavx512bf16 (and AVX2's flags); its tables are only
 // used after BestOps() / BestBf16ProductOps() checked the CPU (only the dot:: functions
 // use BF16 instructions); it includes nothing but intrinsics, cpu_simd.h and
