@@ -50,12 +50,12 @@ void CpuKdaDecode(const CpuContext& cx, const KdaDecodeParams& p) {
         L2NormalizeInPlace(k, dk);
       }
       // alpha = exp(g): g <= 0 is the contract (kda.h), and then the vector exp serves
-      // (one call instead of d_k scalar std::exp); any g > 0 takes std::exp.
+      // (one call instead of d_k scalar std::exp); any other g takes std::exp.
       const float* g = p.g + bh * dk;
       bool nonpos = true;
       for (int i = 0; i < dk; ++i) {
         alpha[i] = g[i];
-        nonpos &= !(g[i] > 0.f);
+        nonpos &= g[i] <= 0.f;  // NaN too takes std::exp (and stays NaN)
       }
       if (nonpos) {
         cx.ops->exp_nonpos(alpha, dk);
