@@ -47,7 +47,8 @@ struct Isa {
   // Lane sums of N = 8 or 16 vectors, out[k] = sum of a[k]'s 16 lanes, as a transposing
   // tree: each level adds two halves of every vector's remaining lanes while packing two
   // vectors' halves into one register (lanes l + l+8, then l + l+4, l + l+2, l + l+1),
-  // so 16 sums take 45 operations instead of two HSum8's 50 plus 16 scalar moves.
+  // so 16 sums take 45 operations (two 8-sum folds, as AVX2's HSum8, took 50 and 16
+  // scalar moves).
   // Every sum is added in that order whatever its k and N (fp addition commutes, and
   // the levels treat both operands alike), so any grouping of rows and tokens, and
   // zero padding, gives the same bits.
@@ -85,19 +86,6 @@ struct Isa {
       const __m512i order = _mm512_setr_epi32(0, 1, 8, 9, 4, 5, 12, 13, 0, 0, 0, 0, 0, 0, 0, 0);
       _mm256_storeu_ps(out, _mm512_castps512_ps256(_mm512_permutexvar_ps(order, r)));
     }
-  }
-  // The 8 lane sums of a[0..7], one per lane, each in the same order whatever its
-  // position: 16 lanes folded to 8 (lane l + lane l + 8), then pairwise as on AVX2.
-  [[gnu::always_inline]] static __m256 HSum8(const V* a) {
-    __m256 f[8];
-    for (int k = 0; k < 8; ++k) {
-      f[k] = _mm256_add_ps(_mm512_castps512_ps256(a[k]),
-                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[k]), 1)));
-    }
-    const __m256 h0 = _mm256_hadd_ps(f[0], f[1]), h1 = _mm256_hadd_ps(f[2], f[3]);
-    const __m256 h2 = _mm256_hadd_ps(f[4], f[5]), h3 = _mm256_hadd_ps(f[6], f[7]);
-    const __m256 g0 = _mm256_hadd_ps(h0, h1), g1 = _mm256_hadd_ps(h2, h3);
-    return _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31));
   }
 };
 

@@ -9,7 +9,8 @@
 //   V, kLanes                   vector type and its fp32 lanes; a block is 2 * kLanes
 //   Zero(), Load(p), Store(p, v), Set1(x), Fma(a, b, c) = a * b + c, Mul(a, b), Add(a, b)
 //   LoadPair(row, i, &e, &o)    2 * kLanes bf16 at row + i: even elements -> e, odd -> o
-//   HSum8(const V* a) -> __m256 the 8 lane sums of a[0..7], each in a fixed order
+//   HSum8(const V* a) -> __m256 the 8 lane sums of a[0..7], each in a fixed order (or,
+//                               instead, SumLanes<8 or 16>(a, out): see StoreScores)
 //   InRegister(v)               pins v to a register (see cpu_simd_avx2.cc)
 //   kAccumCols[r]               column blocks per AccumP call for r = 1..4 rows
 //   kMaxScoreAccum              score accumulators (rows x tokens) ScoreP may hold: 8, 16
@@ -54,37 +55,29 @@ void Unpair(const float* x, float* y, int n) {
 }
 
 // s[r * ld + t] = scale * (lane sum of acc[r * NT + t]). Lane sums 8 accumulators at a
-// time (HSum8 sums each in the same order whatever its position, so any grouping of rows
-// and tokens gives the same bits).
-// Where the traits have SumLanes<N> (AVX-512), up to 8 sums take SumLanes<8> and more
-// take SumLanes<16> per 16 (zero-padded); every sum gets the same order either way.
+// time with HSum8, or where the traits have SumLanes<N> (AVX-512) up to 8 with
+// SumLanes<8> and more 16 at a time (zero-padded); each sums every accumulator in the
+// same order whatever its position, so any grouping of rows and tokens gives the same
+// bits.
 template <typename I, int NR, int NT>
 [[gnu::always_inline]] inline void StoreScores(const typename I::V* acc, float scale, float* s, int ld) {
   using V = typename I::V;
   constexpr int kN = NR * NT;
-  if constexpr (requires(const V* a, float* o) { I::template SumLanes<16>(a, o); }) {
-    constexpr int kW = kN <= 8 ? 8 : 16;
-    constexpr int kGroups = (kN + kW - 1) / kW;
-    alignas(64) float out[kW * kGroups];
-    for (int g = 0; g < kGroups; ++g) {
-      V all[kW];
-      for (int k = 0; k < kW; ++k) all[k] = kW * g + k < kN ? acc[kW * g + k] : I::Zero();
+  constexpr bool kSumLanes = requires(const V* a, float* o) { I::template SumLanes<16>(a, o); };
+  constexpr int kW = kSumLanes && kN > 8 ? 16 : 8;
+  constexpr int kGroups = (kN + kW - 1) / kW;
+  alignas(64) float out[kW * kGroups];
+  for (int g = 0; g < kGroups; ++g) {
+    V all[kW];
+    for (int k = 0; k < kW; ++k) all[k] = kW * g + k < kN ? acc[kW * g + k] : I::Zero();
+    if constexpr (kSumLanes) {
       I::template SumLanes<kW>(all, out + kW * g);
+    } else {
+      _mm256_store_ps(out + 8 * g, I::HSum8(all));
     }
-    for (int r = 0; r < NR; ++r) {
-      for (int t = 0; t < NT; ++t) s[r * ld + t] = scale * out[r * NT + t];
-    }
-  } else {
-    constexpr int kGroups = (kN + 7) / 8;
-    alignas(32) float out[8 * kGroups];
-    for (int g = 0; g < kGroups; ++g) {
-      V all[8];
-      for (int k = 0; k < 8; ++k) all[k] = 8 * g + k < kN ? acc[8 * g + k] : I::Zero();
-      _mm256_store_ps(out + 8 * g, _mm256_mul_ps(_mm256_set1_ps(scale), I::HSum8(all)));
-    }
-    for (int r = 0; r < NR; ++r) {
-      for (int t = 0; t < NT; ++t) s[r * ld + t] = out[r * NT + t];
-    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    for (int t = 0; t < NT; ++t) s[r * ld + t] = scale * out[r * NT + t];
   }
 }
 
