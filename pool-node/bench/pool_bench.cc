@@ -3,7 +3,8 @@
 //
 //   put/get 1 MiB objects through the whole node path (Reserve/Lookup RPC + UCX + Commit/
 //     Release) over shared memory   vs  memcpy of the same bytes spread over the arenas,
-//                                       and that memcpy with XXH3 fused (the client's floor)
+//                                       and that copy with its XXH3 in one pass (the
+//                                       client thread's share, ChecksumStream::CopyUpdate)
 //   the same over TCP loopback      vs  ucx_perftest -t ucp_am_bw -e (UCX_TLS=tcp; PEER-mode
 //                                       endpoints like the node's; mode NONE reported beside)
 //                                       and the transport alone, paired per round
@@ -35,6 +36,7 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_format.h"
+#include "kvpool/common/checksum.h"
 #include "kvpool/common/service_main.h"
 #include "kvpool/common/stream_copy.h"
 #include "kvpool/pool_node/client.h"
@@ -250,10 +252,11 @@ double Memcpy(Node& n, uint64_t objects, bool stream = false) {
   return 1.0 * objects * kObject / Seconds(t0, Clock::now()) / 1e9;
 }
 
-// The least work the node path can do per byte while it keeps its checksums: the same
-// memcpy with XXH3 fused over each 16 KiB piece while it is in cache (what the client
-// thread does on the shared-memory path; the node's verification comes on top).
-double MemcpyXxh3(Node& n, uint64_t objects) {
+// The same memcpy with the checksum the client keeps: `fused` = ChecksumStream::CopyUpdate
+// (copy and XXH3 in one pass, what the client thread does on the shared-memory path), else
+// memcpy then libxxhash's XXH3 over each 16 KiB piece while it is in cache (the client's
+// copy before 2026-12-01). The node's verification comes on top of either.
+double MemcpyChecksum(Node& n, uint64_t objects, bool fused) {
   constexpr uint64_t kPiece = 16 << 10;
   std::byte* dst = n.server->core().arena_base();
   const uint64_t dst_objects = n.server->core().arena_bytes() / kObject;
@@ -266,6 +269,12 @@ double MemcpyXxh3(Node& n, uint64_t objects) {
   for (uint64_t i = 0; i < objects; ++i) {
     std::byte* d = dst + ((i * 5 + rep) % dst_objects) * kObject;
     const std::byte* src = n.arena->base() + (i % src_objects) * kObject;
+    if (fused) {
+      ChecksumStream c;
+      c.CopyUpdate(d, src, kObject);
+      sink ^= c.Digest();
+      continue;
+    }
     XXH3_64bits_reset(st);
     for (uint64_t off = 0; off < kObject; off += kPiece) {
       std::memcpy(d + off, src + off, kPiece);
@@ -277,6 +286,7 @@ double MemcpyXxh3(Node& n, uint64_t objects) {
   XXH3_freeState(st);
   return gbps + (sink == 42 ? 1e-12 : 0);
 }
+
 
 // `peer_mode`: endpoints with error handling (`-e`), as the transport's tcp endpoints run
 // (UCP_ERR_HANDLING_MODE_PEER, so that a dead peer fails its batches).
@@ -528,7 +538,7 @@ int main(int argc, char** argv) {
   if (!skip_shm) {
     Node n = StartNode(dram, "", 0, client);
     // Interleaved, so that both see the same machine load; best of kRounds each.
-    double put = 0, get = 0, mc = 0, mx = 0, ms = 0;
+    double put = 0, get = 0, mc = 0, mx = 0, mf = 0, ms = 0;
     nlohmann::json rounds = nlohmann::json::array();
     PutPhaseSum phases;
     for (int r = 0; r < kRounds; ++r) {
@@ -536,15 +546,18 @@ int main(int argc, char** argv) {
       const PathResult p = NodePath(n, mib, 1 + r);
       phases.Add(before, n.client->put_phases(), static_cast<double>(mib * kObject));
       const double m = Memcpy(n, mib);
-      const double x = MemcpyXxh3(n, mib);
+      const double x = MemcpyChecksum(n, mib, /*fused=*/false);
+      const double f = MemcpyChecksum(n, mib, /*fused=*/true);
       const double st = Memcpy(n, mib, /*stream=*/true);
       rounds.push_back({{"put_GBps", p.put_GBps}, {"get_GBps", p.get_GBps}, {"memcpy_GBps", m},
-                        {"memcpy_xxh3_GBps", x}, {"memcpy_stream_GBps", st}, {"put_cpus", p.put_cpus},
+                        {"memcpy_xxh3_GBps", x}, {"copy_checksum_GBps", f}, {"memcpy_stream_GBps", st},
+                        {"put_cpus", p.put_cpus},
                         {"get_cpus", p.get_cpus}, {"load1", LoadAverage()}});
       put = std::max(put, p.put_GBps);
       get = std::max(get, p.get_GBps);
       mc = std::max(mc, m);
       mx = std::max(mx, x);
+      mf = std::max(mf, f);
       ms = std::max(ms, st);
     }
     out["shm"] = {{"object_bytes", kObject}, {"objects", mib}, {"objects_per_call", kBatch},
@@ -552,18 +565,21 @@ int main(int argc, char** argv) {
                   {"put_GBps", put}, {"get_GBps", get}, {"memcpy_GBps", mc},
                   {"put_vs_memcpy", put / mc}, {"get_vs_memcpy", get / mc},
                   {"memcpy_xxh3_GBps", mx}, {"put_vs_memcpy_xxh3", put / mx},
-                  {"get_vs_memcpy_xxh3", get / mx}, {"memcpy_stream_GBps", ms},
+                  {"get_vs_memcpy_xxh3", get / mx}, {"copy_checksum_GBps", mf},
+                  {"copy_checksum_vs_memcpy", mf / mc}, {"put_vs_copy_checksum", put / mf},
+                  {"memcpy_stream_GBps", ms},
                   {"put_vs_memcpy_stream", put / ms}, {"get_vs_memcpy_stream", get / ms},
                   {"rounds", rounds},
                   {"method", "whole node path per call of objects_per_call objects: put = Reserve + "
                              "copy with XXH3 + Commit (node verifies XXH3), pipelined in put_pipeline_bytes pieces; "
                              "get = Lookup + copy with XXH3 check + async Release. Baseline: memcpy of the "
                              "same bytes between the same arenas, same process, interleaved with the "
-                             "rounds; best of each. memcpy_xxh3: the same copy with XXH3 fused per 16 KiB "
-                             "(the client thread's share of the work; the node's verification is extra). "
+                             "rounds; best of each. copy_checksum: the same copy with XXH3 in the same pass "
+                             "(ChecksumStream::CopyUpdate: the client thread's share of a put or get; the "
+                             "node's verification of a put is extra). memcpy_xxh3: memcpy then libxxhash's "
+                             "XXH3 per 16 KiB piece (the client's way before 2026-12-01). "
                              "memcpy_stream: the same copy with non-temporal stores (kvpool::StreamCopy, "
-                             "what the transport uses for shared-memory batches >= 4 MiB), the fastest copy "
-                             "here. "
+                             "what the transport uses for shared-memory batches >= 4 MiB with --stream-copy). "
                              "put_cpus/get_cpus: CPUs the process kept busy; load1: uptime's 1-min load"},
                   {"ucx_transports", "UCX_TLS as set in the environment (default: all; sm/cma on one host)"}};
     out["shm"]["put_phases"] = phases.Json();

@@ -1,6 +1,4 @@
 // PoolCore::Impl bookkeeping: copies, leaves, visibility, eviction, expiry, demotion.
-#include <xxhash.h>
-#include <xxh_x86dispatch.h>  // XXH3 with AVX2/AVX-512 chosen at run time
 
 #include <cstring>
 #include <thread>
@@ -8,6 +6,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "core_impl.h"
+#include "kvpool/common/checksum.h"
 #include "spdlog/spdlog.h"
 
 namespace kvpool::pool_node {
@@ -324,18 +323,14 @@ std::vector<std::byte*> PoolCore::Impl::Addresses(const std::vector<uint32_t>& p
 }
 
 uint64_t PoolCore::Impl::Checksum(const std::vector<uint32_t>& pages, uint64_t length) const {
-  XXH3_state_t* st = XXH3_createState();
-  XXH3_64bits_reset(st);
+  ChecksumStream sum;  // the client's checksum, computed the same way
   uint64_t left = length;
   for (uint32_t p : pages) {
     const uint64_t n = std::min(left, page_bytes_);
-    // Runtime-dispatched (AVX2 here: ~2x the SSE2 build's speed), same digest.
-    XXH3_64bits_update_dispatch(st, core_->arena_ + uint64_t{p} * page_bytes_, n);
+    sum.Update(std::span<const std::byte>(core_->arena_ + uint64_t{p} * page_bytes_, n));
     left -= n;
   }
-  const uint64_t sum = XXH3_64bits_digest(st);
-  XXH3_freeState(st);
-  return sum;
+  return sum.Digest();
 }
 
 void PoolCore::Impl::CompactJournal() {

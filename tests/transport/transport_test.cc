@@ -877,7 +877,10 @@ TEST_P(TransportTest, PeerGoneFailsBatchesWithinTheTimeout) {
 }
 
 // A ByteObserver sees each op's local bytes exactly once, in order, whatever the path
-// (one-sided copy, RMA, active messages), and all of them before the batch's callback.
+// (one-sided copy, RMA, active messages), and all of them before the batch's callback;
+// with a ByteCopier, the pieces this process copies go through the copier instead (one-
+// sided shared memory: all of them), the rest through the observer, and the bytes land
+// all the same.
 TEST_P(TransportTest, ObserverSeesEachOpsBytesInOrderBeforeDone) {
   const uint64_t b0 = 3 * kClientPage - 100, b1 = 5000;
   const PageRun src0 = Local({7, 2, 11}, b0), src1 = Local({20}, b1);
@@ -889,7 +892,8 @@ TEST_P(TransportTest, ObserverSeesEachOpsBytesInOrderBeforeDone) {
   const std::string obj0 = as_string(Gather(*client_arena_, src0));
   const std::string obj1 = as_string(Gather(*client_arena_, src1));
 
-  auto run = [&](bool put, const PageRun& l0, const PageRun& l1) {
+  int copier_calls = 0;
+  auto run = [&](bool put, const PageRun& l0, const PageRun& l1, bool with_copier) {
     std::vector<std::string> seen(2);
     bool complete_at_done = false;
     int bad_op = 0;
@@ -906,8 +910,17 @@ TEST_P(TransportTest, ObserverSeesEachOpsBytesInOrderBeforeDone) {
       }
       seen[op].append(reinterpret_cast<const char*>(bytes.data()), bytes.size());
     };
+    ByteCopier copier = nullptr;
+    if (with_copier) {
+      copier = [&](size_t op, std::byte* dst, const std::byte* src, size_t n, bool /*stream*/) {
+        ++copier_calls;
+        std::memcpy(dst, src, n);
+        observe(op, std::span<const std::byte>(dst, n));
+      };
+    }
     std::vector<TransferOp> ops = {{l0, dst0}, {l1, dst1}};
-    const absl::Status s = put ? ep_->PutAsync(ops, done, observe) : ep_->GetAsync(ops, done, observe);
+    const absl::Status s = put ? ep_->PutAsync(ops, done, observe, copier)
+                               : ep_->GetAsync(ops, done, observe, copier);
     EXPECT_TRUE(s.ok()) << s;
     if (s.ok()) {
       EXPECT_TRUE(Await(std::move(f)).ok());
@@ -917,16 +930,31 @@ TEST_P(TransportTest, ObserverSeesEachOpsBytesInOrderBeforeDone) {
     return seen;
   };
 
-  auto seen = run(/*put=*/true, src0, src1);
-  EXPECT_TRUE(seen[0] == obj0);
-  EXPECT_TRUE(seen[1] == obj1);
-  std::memset(client_mem_.data(), 0, client_mem_.size());
-  const PageRun back0 = Local({30, 31, 32}, b0), back1 = Local({40}, b1);
-  seen = run(/*put=*/false, back0, back1);
-  EXPECT_TRUE(seen[0] == obj0);
-  EXPECT_TRUE(seen[1] == obj1);
-  EXPECT_TRUE(as_string(Gather(*client_arena_, back0)) == obj0);
-  EXPECT_TRUE(as_string(Gather(*client_arena_, back1)) == obj1);
+  for (const bool with_copier : {false, true}) {
+    SCOPED_TRACE(with_copier ? "with a ByteCopier" : "observer only");
+    for (size_t i = 0; i < client_mem_.size(); ++i) client_mem_[i] = static_cast<std::byte>(i * 131 + 7);
+    FillPattern({owner_arena_->base(), owner_arena_->size()}, 5, 0);
+    auto seen = run(/*put=*/true, src0, src1, with_copier);
+    EXPECT_TRUE(seen[0] == obj0);
+    EXPECT_TRUE(seen[1] == obj1);
+    std::memset(client_mem_.data(), 0, client_mem_.size());
+    const PageRun back0 = Local({30, 31, 32}, b0), back1 = Local({40}, b1);
+    seen = run(/*put=*/false, back0, back1, with_copier);
+    EXPECT_TRUE(seen[0] == obj0);
+    EXPECT_TRUE(seen[1] == obj1);
+    EXPECT_TRUE(as_string(Gather(*client_arena_, back0)) == obj0);
+    EXPECT_TRUE(as_string(Gather(*client_arena_, back1)) == obj1);
+  }
+  // One-sided shared memory: this process copies every piece, so the copier did.
+  if (ep_->protocol() == Protocol::kRma && GetParam().expected == Protocol::kRma) {
+    EXPECT_GT(copier_calls, 0);
+  }
+  // A copier needs its observer (it sees what UCX moves): refused, nothing moves.
+  const absl::Status refused = ep_->PutAsync(
+      {{src0, dst0}}, [](absl::Status) { ADD_FAILURE() << "a refused batch calls back"; }, nullptr,
+      [](size_t, std::byte*, const std::byte*, size_t, bool) {});
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+  EXPECT_NE(std::string(refused.message()).find("ByteObserver"), std::string::npos) << refused;
 }
 
 // A get of several messages (64 KiB segments travel alone over AM, where each is shown

@@ -49,13 +49,19 @@ absl::Status RunExtents(uint64_t page_bytes, uint64_t num_pages, const PageRun& 
 
 absl::Status WorkerImpl::Submit(const std::shared_ptr<EndpointImpl>& ep, Direction dir,
                                 std::vector<TransferOp> ops, BatchCallback done,
-                                ByteObserver observe) {
+                                ByteObserver observe, ByteCopier copy) {
   RETURN_IF_ERROR(ep->health());
+  if (copy && !observe) {
+    return absl::InvalidArgumentError(
+        "a batch has a ByteCopier but no ByteObserver; pass the observer the copier feeds "
+        "(it sees the bytes the transport does not copy itself)");
+  }
   auto b = std::make_unique<Batch>();
   b->dir = dir;
   b->ep = ep;
   b->done = std::move(done);
   b->observe = std::move(observe);
+  b->copy = std::move(copy);
   b->deadline = absl::Now() + options_.batch_timeout;
   std::vector<Extent> lx, rx;
   for (size_t i = 0; i < ops.size(); ++i) {
@@ -236,10 +242,10 @@ absl::Status Endpoint::ImportArena(const RemoteArena& remote) {
 namespace {
 absl::Status SubmitVia(const std::shared_ptr<EndpointImpl>& ep, Direction dir,
                        std::vector<TransferOp> ops, BatchCallback done,
-                       ByteObserver observe = nullptr) {
+                       ByteObserver observe = nullptr, ByteCopier copy = nullptr) {
   auto w = ep->worker_.lock();
   if (!w) return absl::UnavailableError("transport worker is gone");
-  return w->Submit(ep, dir, std::move(ops), std::move(done), std::move(observe));
+  return w->Submit(ep, dir, std::move(ops), std::move(done), std::move(observe), std::move(copy));
 }
 
 std::future<absl::Status> AsFuture(const std::shared_ptr<EndpointImpl>& ep, Direction dir,
@@ -261,12 +267,14 @@ absl::Status Endpoint::GetAsync(std::vector<TransferOp> ops, BatchCallback done)
   return SubmitVia(impl_, Direction::kGet, std::move(ops), std::move(done));
 }
 absl::Status Endpoint::PutAsync(std::vector<TransferOp> ops, BatchCallback done,
-                                ByteObserver observe) {
-  return SubmitVia(impl_, Direction::kPut, std::move(ops), std::move(done), std::move(observe));
+                                ByteObserver observe, ByteCopier copy) {
+  return SubmitVia(impl_, Direction::kPut, std::move(ops), std::move(done), std::move(observe),
+                   std::move(copy));
 }
 absl::Status Endpoint::GetAsync(std::vector<TransferOp> ops, BatchCallback done,
-                                ByteObserver observe) {
-  return SubmitVia(impl_, Direction::kGet, std::move(ops), std::move(done), std::move(observe));
+                                ByteObserver observe, ByteCopier copy) {
+  return SubmitVia(impl_, Direction::kGet, std::move(ops), std::move(done), std::move(observe),
+                   std::move(copy));
 }
 std::future<absl::Status> Endpoint::Put(std::vector<TransferOp> ops) {
   return AsFuture(impl_, Direction::kPut, std::move(ops));

@@ -141,6 +141,7 @@ struct Batch {
   std::shared_ptr<EndpointImpl> ep;
   BatchCallback done;
   ByteObserver observe;  // optional
+  ByteCopier copy;       // optional, with observe
   std::vector<std::shared_ptr<Arena>> hold;  // local arenas stay registered meanwhile
   std::vector<Segment> segs;
   // The imports the segments were validated against (by arena id; usually one).
@@ -247,7 +248,7 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
                                                     absl::string_view name);
   absl::Status Submit(const std::shared_ptr<EndpointImpl>& ep, Direction dir,
                       std::vector<TransferOp> ops, BatchCallback done,
-                      ByteObserver observe = nullptr);
+                      ByteObserver observe = nullptr, ByteCopier copy = nullptr);
   void CloseEndpoint(std::shared_ptr<EndpointImpl> ep);
 
   // Progress-thread callbacks from UCX.

@@ -966,6 +966,15 @@ void WorkerImpl::CopyMapped(const Batch& b, Segment& s, std::byte* rp, bool stre
     for (uint64_t off = 0; off < s.len; off += kCopyPiece) copy(dst + off, src + off, std::min(kCopyPiece, s.len - off));
     return;
   }
+  if (b.copy) {  // copied and observed in one pass by the caller's copier
+    if (b.dir == Direction::kPut) {
+      b.copy(s.op, rp, s.local, s.len, stream);
+    } else {
+      b.copy(s.op, s.local, rp, s.len, stream);
+    }
+    s.observed = true;
+    return;
+  }
   // Copy in cache-sized pieces and show each to the observer while it is hot: a put's
   // source (just read); a get's bytes as they land, which streaming stores do not leave
   // in cache, so a streamed get goes through a cache-resident bounce piece (observed
@@ -1249,6 +1258,7 @@ void WorkerImpl::Finish(Batch& b, absl::Status s) {
     }
   }
   b.observe = nullptr;
+  b.copy = nullptr;
   // `done` waits for the release (MaybeFree): requests of this batch may still be moving
   // bytes into or out of the caller's pages.
 }

@@ -1,8 +1,6 @@
 #include "kvpool/pool_node/client.h"
 
 #include <grpcpp/grpcpp.h>
-#include <xxhash.h>
-#include <xxh_x86dispatch.h>  // XXH3 with AVX2/AVX-512 chosen at run time
 
 #include <atomic>
 #include <chrono>
@@ -11,6 +9,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kvpool/common/checksum.h"
 #include "kvpool/common/status.h"
 #include "kvpool/proto/grpc_status.h"
 #include "kvpool/transport/transport.h"
@@ -45,41 +44,36 @@ int64_t NowMs() {
              std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
-// One XXH3-64 state per object, fed by the transport's ByteObserver while the bytes
-// are in cache (no second pass over DRAM on the one-sided shared-memory path).
+// One checksum (XXH3-64) per object. Where this process copies (one-sided shared
+// memory) the transport's ByteCopier copies and checksums each piece in one pass; bytes
+// that UCX moves reach the ByteObserver once they are in place (or, for a put, as sent).
 class Digests {
  public:
-  explicit Digests(size_t n) : states_(n) {
-    for (XXH3_state_t*& st : states_) {
-      st = XXH3_createState();
-      XXH3_64bits_reset(st);
-    }
-  }
-  ~Digests() {
-    for (XXH3_state_t* st : states_) XXH3_freeState(st);
-  }
-  Digests(const Digests&) = delete;
-  Digests& operator=(const Digests&) = delete;
-  // Op i of the batch it observes is digest first + i.
+  explicit Digests(size_t n) : streams_(n) {}
+  // Op i of the batch they see is digest first + i.
   transport::ByteObserver Observer(size_t first = 0) {
-    return [this, first](size_t op, std::span<const std::byte> bytes) {
-      XXH3_64bits_update_dispatch(states_[first + op], bytes.data(), bytes.size());
+    return [this, first](size_t op, std::span<const std::byte> bytes) { streams_[first + op].Update(bytes); };
+  }
+  transport::ByteCopier Copier(size_t first = 0) {
+    return [this, first](size_t op, std::byte* dst, const std::byte* src, size_t n, bool stream) {
+      streams_[first + op].CopyUpdate(dst, src, n, stream);
     };
   }
-  uint64_t Value(size_t i) const { return XXH3_64bits_digest(states_[i]); }
+  uint64_t Value(size_t i) const { return streams_[i].Digest(); }
 
  private:
-  std::vector<XXH3_state_t*> states_;
+  std::vector<ChecksumStream> streams_;
 };
 
-// One transfer batch, waited for. The observer is not called after this returns.
+// One transfer batch of ops first.. of `digests`, waited for. Its digests are not fed
+// after this returns.
 absl::Status Transfer(transport::Endpoint& ep, bool put, std::vector<transport::TransferOp> ops,
-                      transport::ByteObserver observe) {
+                      Digests& digests, size_t first = 0) {
   auto p = std::make_shared<std::promise<absl::Status>>();
   std::future<absl::Status> f = p->get_future();
   auto done = [p](absl::Status st) { p->set_value(std::move(st)); };
-  RETURN_IF_ERROR(put ? ep.PutAsync(std::move(ops), std::move(done), std::move(observe))
-                      : ep.GetAsync(std::move(ops), std::move(done), std::move(observe)));
+  RETURN_IF_ERROR(put ? ep.PutAsync(std::move(ops), std::move(done), digests.Observer(first), digests.Copier(first))
+                      : ep.GetAsync(std::move(ops), std::move(done), digests.Observer(first), digests.Copier(first)));
   return f.get();
 }
 
@@ -89,12 +83,12 @@ absl::Status Transfer(transport::Endpoint& ep, bool put, std::vector<transport::
 absl::Status TransferTwoWays(transport::Endpoint& ep, bool put, std::vector<transport::TransferOp> ops,
                              Digests& digests) {
   const size_t half = ops.size() / 2;
-  if (half == 0) return Transfer(ep, put, std::move(ops), digests.Observer());
+  if (half == 0) return Transfer(ep, put, std::move(ops), digests);
   std::vector<transport::TransferOp> first(std::make_move_iterator(ops.begin()),
                                            std::make_move_iterator(ops.begin() + half));
   ops.erase(ops.begin(), ops.begin() + half);
-  auto helper = std::async(std::launch::async, [&] { return Transfer(ep, put, std::move(first), digests.Observer()); });
-  absl::Status b = Transfer(ep, put, std::move(ops), digests.Observer(half));
+  auto helper = std::async(std::launch::async, [&] { return Transfer(ep, put, std::move(first), digests); });
+  absl::Status b = Transfer(ep, put, std::move(ops), digests, half);
   absl::Status a = helper.get();
   return a.ok() ? b : a;
 }
@@ -225,18 +219,15 @@ uint64_t PoolClient::node_page_bytes() const { return s_->remote.page_bytes; }
 uint64_t PoolClient::node_pages() const { return s_->remote.num_pages(); }
 
 uint64_t PoolClient::LocalChecksum(std::span<const uint64_t> pages, uint64_t length) const {
-  XXH3_state_t* st = XXH3_createState();
-  XXH3_64bits_reset(st);
+  ChecksumStream sum;
   const uint64_t pb = s_->opt.local_arena->page_bytes();
   uint64_t left = length;
   for (uint64_t p : pages) {
     const uint64_t n = std::min(left, pb);
-    XXH3_64bits_update_dispatch(st, s_->opt.local_arena->base() + p * pb, n);
+    sum.Update(std::span<const std::byte>(s_->opt.local_arena->base() + p * pb, n));
     left -= n;
   }
-  const uint64_t sum = XXH3_64bits_digest(st);
-  XXH3_freeState(st);
-  return sum;
+  return sum.Digest();
 }
 
 absl::StatusOr<PoolLease> PoolClient::Lookup(std::span<const BlockHash> chain, StateKind kind,
@@ -305,7 +296,7 @@ absl::Status PoolClient::Get(const PoolLease& lease, std::span<const std::vector
   const bool two = s_->ep->protocol() == transport::Protocol::kRma &&
                    bytes >= s_->opt.get_two_threads_min_bytes;
   RETURN_IF_ERROR(two ? TransferTwoWays(*s_->ep, /*put=*/false, std::move(ops), digests)
-                      : Transfer(*s_->ep, /*put=*/false, std::move(ops), digests.Observer()));
+                      : Transfer(*s_->ep, /*put=*/false, std::move(ops), digests));
   for (size_t i = 0; i < dst.size(); ++i) {
     const RemoteObject& o = lease.objects[i];
     if (digests.Value(i) != o.checksum) {
@@ -392,7 +383,7 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
   // next piece starts moving before this one is committed, so the link never idles
   // between pieces.
   struct PieceTransfer {
-    std::unique_ptr<Digests> digests;  // fed by the transfer's ByteObserver
+    std::unique_ptr<Digests> digests;  // fed by the transfer's ByteCopier / ByteObserver
     std::vector<size_t> op_item;       // item index per transfer op
     std::future<absl::Status> done;    // valid while a transfer is in flight
   };
@@ -425,7 +416,7 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
       ops.push_back(std::move(op));
       tx[k].op_item.push_back(first + j);
     }
-    // The checksums are taken from the bytes as they are copied (still in cache).
+    // The checksums are taken in the same pass as the copy (ChecksumStream::CopyUpdate).
     // On a failed transfer the reservation is ended by an empty Commit (see Put's end).
     // All present: nothing moves (and the Commit names nothing).
     tx[k].digests = std::make_unique<Digests>(ops.size());
@@ -434,7 +425,7 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
     std::future<absl::Status> f = p->get_future();
     const PhaseTimer t(s_->put_transfer_ns);  // on shared memory: the copy
     RETURN_IF_ERROR(s_->ep->PutAsync(std::move(ops), [p](absl::Status st) { p->set_value(std::move(st)); },
-                                     tx[k].digests->Observer()));
+                                     tx[k].digests->Observer(), tx[k].digests->Copier()));
     tx[k].done = std::move(f);
     return absl::OkStatus();
   };

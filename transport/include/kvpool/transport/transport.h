@@ -179,6 +179,18 @@ using BatchCallback = std::function<void(absl::Status)>;
 // error and what was observed means nothing.
 using ByteObserver = std::function<void(size_t op, std::span<const std::byte> bytes)>;
 
+// Optional, beside a ByteObserver: on the one-sided copy path the transport hands it
+// each piece to copy instead of copying the piece itself and showing it to the observer,
+// so that the copy and the observation are one pass over the bytes (the pool client's
+// ChecksumStream::CopyUpdate). `dst` and `src` are the copy's (for a put `src` is the op's
+// local bytes, for a get `dst`); `stream` says whether the transport would have used
+// streaming stores (StreamCopy; it fences after the batch). It must store src's n bytes
+// at dst and observe, for op, exactly the bytes it stored, as the observer would have
+// seen them. Bytes the transport does not copy itself (UCX moves them) still go to the
+// ByteObserver. Same threads and rules as the observer.
+using ByteCopier =
+    std::function<void(size_t op, std::byte* dst, const std::byte* src, size_t n, bool stream)>;
+
 enum class Protocol : uint8_t {
   kAuto,           // RMA when the endpoint's lanes can do zero-copy RMA, else AM
   kRma,            // ucp_put_nbx / ucp_get_nbx + flush
@@ -323,9 +335,13 @@ class Endpoint {
   // byte has landed (for Put: visible in the remote arena), or the batch's error.
   absl::Status PutAsync(std::vector<TransferOp> ops, BatchCallback done);
   absl::Status GetAsync(std::vector<TransferOp> ops, BatchCallback done);
-  // The same, with `observe` shown every op's bytes (see ByteObserver).
-  absl::Status PutAsync(std::vector<TransferOp> ops, BatchCallback done, ByteObserver observe);
-  absl::Status GetAsync(std::vector<TransferOp> ops, BatchCallback done, ByteObserver observe);
+  // The same, with `observe` shown every op's bytes (see ByteObserver), and `copy`, if
+  // given, copying and observing at once where this process copies (see ByteCopier; it
+  // needs `observe`).
+  absl::Status PutAsync(std::vector<TransferOp> ops, BatchCallback done, ByteObserver observe,
+                        ByteCopier copy = nullptr);
+  absl::Status GetAsync(std::vector<TransferOp> ops, BatchCallback done, ByteObserver observe,
+                        ByteCopier copy = nullptr);
   // Future forms: a refused batch yields its refusal as the future's value.
   std::future<absl::Status> Put(std::vector<TransferOp> ops);
   std::future<absl::Status> Get(std::vector<TransferOp> ops);
