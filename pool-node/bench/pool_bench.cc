@@ -394,7 +394,8 @@ double NvmeTierRead(Node& n, uint64_t objects, uint64_t round) {
 }
 
 // Where the node path's time goes: the same 1 MiB page runs moved by the transport alone
-// (no RPC, no checksum), and XXH3 over the same bytes.
+// (no RPC, no checksum), the same puts with the client's checksums (its ByteCopier and
+// ByteObserver, no RPC), and XXH3 over the same bytes.
 nlohmann::json Breakdown(Node& n, uint64_t objects) {
   auto stub = kvpool::v1::PoolNode::NewStub(grpc::CreateChannel(
       "127.0.0.1:" + std::to_string(n.server->port()), grpc::InsecureChannelCredentials()));
@@ -423,16 +424,34 @@ nlohmann::json Breakdown(Node& n, uint64_t objects) {
     }
     return ops;
   };
+  // Puts with a checksum per object, computed as the client does (one pass on the
+  // one-sided copy path). Digests go to `sink` so the work is not dropped.
+  uint64_t sink = 0;
+  auto put_checksummed = [&](uint64_t i) {
+    std::vector<ChecksumStream> sums(std::min(objects - i, uint64_t{kBatch}));
+    std::promise<absl::Status> p;
+    std::future<absl::Status> f = p.get_future();
+    const absl::Status st = (*ep)->PutAsync(
+        ops_for(i), [&p](absl::Status s) { p.set_value(std::move(s)); },
+        [&sums](size_t op, std::span<const std::byte> b) { sums[op].Update(b); },
+        [&sums](size_t op, std::byte* d, const std::byte* src, size_t len, bool stream) {
+          sums[op].CopyUpdate(d, src, len, stream);
+        });
+    if (!st.ok() || !f.get().ok()) std::exit(1);
+    for (const ChecksumStream& c : sums) sink ^= c.Digest();
+  };
+  const auto tc0 = Clock::now();
+  for (uint64_t i = 0; i < objects; i += kBatch) put_checksummed(i);
   const auto t0 = Clock::now();
   for (uint64_t i = 0; i < objects; i += kBatch) (void)(*ep)->Put(ops_for(i)).get();
   const auto t1 = Clock::now();
   for (uint64_t i = 0; i < objects; i += kBatch) (void)(*ep)->Get(ops_for(i)).get();
   const auto t2 = Clock::now();
-  uint64_t sink = 0;
   for (uint64_t i = 0; i < objects; ++i) sink ^= XXH3_64bits_dispatch(n.arena->base() + (i % local_objects) * kObject, kObject);
   const auto t3 = Clock::now();
   const double bytes = static_cast<double>(objects * kObject);
   return {{"transport_only_put_GBps", bytes / Seconds(t0, t1) / 1e9},
+          {"transport_checksum_put_GBps", bytes / Seconds(tc0, t0) / 1e9},
           {"transport_only_get_GBps", bytes / Seconds(t1, t2) / 1e9},
           {"xxh3_GBps", bytes / Seconds(t2, t3) / 1e9 + (sink == 42 ? 1e-12 : 0)},
           {"protocol", std::string(transport::ProtocolName((*ep)->protocol()))},
