@@ -317,15 +317,30 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
   // checksums it) while piece k+1 is copied; each group's last Commit is final.
   std::vector<std::pair<size_t, size_t>> pieces;  // [begin, end) of items
   {
-    size_t begin = 0;
+    // Where pieces end, in bytes from the start: as many pieces as put_pipeline_bytes
+    // gives, the last two a half and a quarter of it (the Put waits for the node to
+    // verify its last piece: a small one is verified sooner), the others sharing the rest.
+    uint64_t total = 0;
+    for (const PutItem& it : items) total += it.length;
+    const uint64_t pb = std::max<uint64_t>(1, s_->opt.put_pipeline_bytes);
+    const uint64_t n = std::max<uint64_t>(1, (total + pb - 1) / pb);
+    std::vector<uint64_t> ends;
+    if (n >= 3) {
+      const uint64_t body = total - pb / 2 - pb / 4;
+      for (uint64_t k = 1; k <= n - 2; ++k) ends.push_back(body * k / (n - 2));
+      ends.push_back(total - pb / 4);
+    } else {
+      for (uint64_t k = 1; k < n; ++k) ends.push_back(k * pb);
+    }
+    size_t begin = 0, next_end = 0;
     uint64_t bytes = 0;
     for (size_t i = 0; i < items.size(); ++i) {
       bytes += items[i].length;
-      if (bytes >= s_->opt.put_pipeline_bytes || i + 1 - begin == kMaxEntriesPerRpc ||
-          i + 1 == items.size()) {
+      const bool at_end = next_end < ends.size() && bytes >= ends[next_end];
+      while (next_end < ends.size() && ends[next_end] <= bytes) ++next_end;
+      if (at_end || i + 1 - begin == kMaxEntriesPerRpc || i + 1 == items.size()) {
         pieces.emplace_back(begin, i + 1);
         begin = i + 1;
-        bytes = 0;
       }
     }
     if (pieces.empty()) pieces.emplace_back(0, 0);  // the node names what is wrong

@@ -11,8 +11,9 @@
 // Speed: pass a whole request's blocks to one Put / Lookup / Get (one RPC each for all of
 // them). On one host the node's DRAM arena is mapped into this process and put/get are
 // copies by this thread (a Get of >= get_two_threads_min_bytes: by this thread and a
-// helper, half each), checksummed piece by piece while the bytes are in cache; a large
-// Put is cut into pieces of put_pipeline_bytes, reserved 64 MiB at a time a group ahead
+// helper, half each), checksummed in the same pass as the copy; a large Put is cut into
+// pieces of about put_pipeline_bytes (its last two a half and a quarter of that, so
+// that the wait for the node's last verification is short), reserved 64 MiB at a time a group ahead
 // and committed one by one while the next piece is copied (the node verifies one piece
 // while this thread copies the next);
 // over TCP or RDMA two pieces are on the wire at a time. The client starts no gRPC
@@ -64,7 +65,9 @@ struct PoolClientOptions {
   transport::Worker* worker = nullptr;            // caller's UCX worker; outlives the client
   std::shared_ptr<transport::Arena> local_arena;  // registered with `worker`
   int rpc_timeout_ms = 10'000;
-  // Put: bytes per pipelined piece (transfer / Commit). One Reserve covers the pieces of
+  // Put: bytes per pipelined piece (transfer / Commit); a Put of three pieces or more
+  // ends with one of half and one of a quarter of this, the others share the rest
+  // equally (as many pieces as whole put_pipeline_bytes would give). One Reserve covers the pieces of
   // up to 64 MiB (4096 items), each committed on its own (a partial Commit, the last one
   // final); a piece that fails leaves earlier pieces stored: a retry finds them already
   // present.
