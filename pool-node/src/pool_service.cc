@@ -172,6 +172,19 @@ absl::Status ParseHashes(const google::protobuf::RepeatedPtrField<std::string>& 
   return absl::OkStatus();
 }
 
+// Field `field` of entries[i]: a block hash, or a state kind. The entry's field name is
+// formatted only on error (no allocation per entry of a request that is right).
+absl::StatusOr<BlockHash> EntryHash(const std::string& bytes, int i, absl::string_view field) {
+  absl::StatusOr<BlockHash> h = BlockHash::FromBytes(bytes, field);
+  if (h.ok()) return h;
+  return BlockHash::FromBytes(bytes, absl::StrCat("entries[", i, "].", field)).status();
+}
+absl::StatusOr<StateKind> EntryKind(v1::StateKind k, int i) {
+  absl::StatusOr<StateKind> kind = FromProto(k, "kind");
+  if (kind.ok()) return kind;
+  return FromProto(k, absl::StrCat("entries[", i, "].kind")).status();
+}
+
 void FillRun(const PageRunDesc& run, v1::PageRun* out) {
   out->mutable_pages()->Reserve(run.pages.size());
   for (uint32_t p : run.pages) out->add_pages(p);
@@ -236,15 +249,15 @@ grpc::Status PoolNodeService::Reserve(grpc::ServerContext*, const v1::ReserveReq
   for (int i = 0; i < req->entries_size(); ++i) {
     const v1::ReserveEntry& e = req->entries(i);
     ReserveEntrySpec spec;
-    auto h = BlockHash::FromBytes(e.block_hash(), absl::StrCat("entries[", i, "].block_hash"));
+    auto h = EntryHash(e.block_hash(), i, "block_hash");
     if (!h.ok()) return Done(kReserve, h.status());
     spec.hash = *h;
     if (!e.parent_hash().empty()) {
-      auto p = BlockHash::FromBytes(e.parent_hash(), absl::StrCat("entries[", i, "].parent_hash"));
+      auto p = EntryHash(e.parent_hash(), i, "parent_hash");
       if (!p.ok()) return Done(kReserve, p.status());
       spec.parent = *p;
     }
-    auto kind = FromProto(e.kind(), absl::StrCat("entries[", i, "].kind"));
+    auto kind = EntryKind(e.kind(), i);
     if (!kind.ok()) return Done(kReserve, kind.status());
     spec.kind = *kind;
     spec.length = e.length();
@@ -271,8 +284,9 @@ grpc::Status PoolNodeService::Commit(grpc::ServerContext*, const v1::CommitReque
   }
   if (absl::Status s = CheckRequest("", req->entries_size(), "entries"); !s.ok()) return Done(kCommit, s);
   std::vector<CommitEntrySpec> entries;
+  entries.reserve(req->entries_size());
   for (int i = 0; i < req->entries_size(); ++i) {
-    auto h = BlockHash::FromBytes(req->entries(i).block_hash(), absl::StrCat("entries[", i, "].block_hash"));
+    auto h = EntryHash(req->entries(i).block_hash(), i, "block_hash");
     if (!h.ok()) return Done(kCommit, h.status());
     entries.push_back({*h, req->entries(i).checksum()});
   }

@@ -393,6 +393,37 @@ TEST_F(ServiceTest, WireErrorsNameFieldsAndCodes) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(s.error_message(), ::testing::HasSubstr("entries[0].kind"));
 
+  // A malformed hash is named by its entry and field, in Reserve and in Commit.
+  {
+    v1::ReserveRequest bad;
+    for (int i = 0; i < 3; ++i) {
+      auto* be = bad.add_entries();
+      be->set_block_hash(H(200 + i).ToBytes());
+      be->set_kind(v1::STATE_KIND_ATTN_KV);
+      be->set_length(1000);
+    }
+    bad.mutable_entries(1)->set_block_hash("short");
+    grpc::ClientContext cb1;
+    s = stub_->Reserve(&cb1, bad, &rresp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(s.error_message(), ::testing::HasSubstr("entries[1].block_hash"));
+    bad.mutable_entries(1)->set_block_hash(H(201).ToBytes());
+    bad.mutable_entries(2)->set_parent_hash(std::string(17, 'x'));
+    grpc::ClientContext cb2;
+    s = stub_->Reserve(&cb2, bad, &rresp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(s.error_message(), ::testing::HasSubstr("entries[2].parent_hash"));
+    v1::CommitRequest bad_commit;
+    bad_commit.set_reservation_id(12345);
+    bad_commit.add_entries()->set_block_hash(H(1).ToBytes());
+    bad_commit.add_entries()->set_block_hash("");
+    v1::CommitResponse cresp;
+    grpc::ClientContext cb3;
+    s = stub_->Commit(&cb3, bad_commit, &cresp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(s.error_message(), ::testing::HasSubstr("entries[1].block_hash"));
+  }
+
   // Checksum mismatch: DATA_LOSS for that entry, pages freed.
   grpc::ClientContext c4;
   e->set_kind(v1::STATE_KIND_ATTN_KV);
