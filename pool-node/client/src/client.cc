@@ -65,8 +65,8 @@ class Digests {
   std::vector<ChecksumStream> streams_;
 };
 
-// One transfer batch of ops first.. of `digests`, waited for. Its digests are not fed
-// after this returns.
+// One transfer batch, waited for; its op i feeds digest first + i. The digests are not
+// fed after this returns.
 absl::Status Transfer(transport::Endpoint& ep, bool put, std::vector<transport::TransferOp> ops,
                       Digests& digests, size_t first = 0) {
   auto p = std::make_shared<std::promise<absl::Status>>();
@@ -327,7 +327,9 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
     std::vector<uint64_t> ends;
     if (n >= 3) {
       const uint64_t body = total - pb / 2 - pb / 4;
-      for (uint64_t k = 1; k <= n - 2; ++k) ends.push_back(body * k / (n - 2));
+      for (uint64_t k = 1; k <= n - 2; ++k) {
+        ends.push_back(static_cast<uint64_t>(static_cast<unsigned __int128>(body) * k / (n - 2)));
+      }
       ends.push_back(total - pb / 4);
     } else {
       for (uint64_t k = 1; k < n; ++k) ends.push_back(k * pb);
