@@ -141,11 +141,15 @@ __attribute__((target("avx2"))) void FoldAvx2(uint64_t* acc, uint32_t& stripe, s
 #endif
 
 ChecksumIsa Widest() {
+  static const ChecksumIsa widest = [] {
 #if defined(__x86_64__)
-  if (__builtin_cpu_supports("avx512f")) return ChecksumIsa::kAvx512;
-  if (__builtin_cpu_supports("avx2")) return ChecksumIsa::kAvx2;
+    __builtin_cpu_init();  // in case a stream is made before the CPU model is (static init)
+    if (__builtin_cpu_supports("avx512f")) return ChecksumIsa::kAvx512;
+    if (__builtin_cpu_supports("avx2")) return ChecksumIsa::kAvx2;
 #endif
-  return ChecksumIsa::kScalar;
+    return ChecksumIsa::kScalar;
+  }();
+  return widest;
 }
 
 FoldFn FoldFor(ChecksumIsa isa) {
@@ -170,9 +174,9 @@ bool ChecksumIsaSupported(ChecksumIsa isa) {
       return true;
 #if defined(__x86_64__)
     case ChecksumIsa::kAvx2:
-      return __builtin_cpu_supports("avx2");
+      return Widest() != ChecksumIsa::kScalar;
     case ChecksumIsa::kAvx512:
-      return __builtin_cpu_supports("avx512f");
+      return Widest() == ChecksumIsa::kAvx512;
 #endif
     default:
       return false;

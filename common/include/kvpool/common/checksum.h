@@ -34,7 +34,8 @@ bool ChecksumIsaSupported(ChecksumIsa isa);
 
 class ChecksumStream {
  public:
-  // `isa` must be supported (ChecksumIsaSupported); kAuto picks the widest.
+  // kAuto picks the widest ISA this CPU runs; one it does not run (ChecksumIsaSupported)
+  // falls back to the portable loop (the same digests).
   explicit ChecksumStream(ChecksumIsa isa = ChecksumIsa::kAuto);
 
   // Appends `bytes`.
