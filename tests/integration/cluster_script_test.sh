@@ -15,11 +15,16 @@ WORKER_BIN="$BIN/worker/service/kvpool-worker"
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
 port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
-# A base port whose router, pool node and worker ports are all free.
+# A base port whose router, pool node and worker ports are all free, below the kernel's
+# ephemeral range (ip_local_port_range, 32768-60999 by default): a port checked free here
+# cannot then be handed to some other test's (or this cluster's own) outgoing connection
+# or port-0 listener before the server binds it.
 pick_base() {
-  local try p ok
+  local try p ok lo=32768
+  read -r lo _ < /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || true
+  (( lo > 20100 )) || lo=32768
   for ((try = 0; try < 200; try++)); do
-    p=$((20000 + (RANDOM * 32768 + RANDOM) % 30000))
+    p=$((20000 + (RANDOM * 32768 + RANDOM) % (lo - 20000 - 30)))
     ok=1
     for q in $p $((p + 10)) $((p + 11)) $((p + 20)) $((p + 21)); do
       port_free "$q" || { ok=0; break; }
