@@ -563,6 +563,8 @@ int main(int argc, char** argv) {
     for (int r = 0; r < kRounds; ++r) {
       const PutPhases before = n.client->put_phases();
       const PathResult p = NodePath(n, mib, 1 + r);
+      PutPhaseSum round_phases;
+      round_phases.Add(before, n.client->put_phases(), static_cast<double>(mib * kObject));
       phases.Add(before, n.client->put_phases(), static_cast<double>(mib * kObject));
       const double m = Memcpy(n, mib);
       const double x = MemcpyChecksum(n, mib, /*fused=*/false);
@@ -571,7 +573,8 @@ int main(int argc, char** argv) {
       rounds.push_back({{"put_GBps", p.put_GBps}, {"get_GBps", p.get_GBps}, {"memcpy_GBps", m},
                         {"memcpy_xxh3_GBps", x}, {"copy_checksum_GBps", f}, {"memcpy_stream_GBps", st},
                         {"put_cpus", p.put_cpus},
-                        {"get_cpus", p.get_cpus}, {"load1", LoadAverage()}});
+                        {"get_cpus", p.get_cpus}, {"put_phases", round_phases.Json()},
+                        {"load1", LoadAverage()}});
       put = std::max(put, p.put_GBps);
       get = std::max(get, p.get_GBps);
       mc = std::max(mc, m);
