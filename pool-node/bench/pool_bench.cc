@@ -287,7 +287,6 @@ double MemcpyChecksum(Node& n, uint64_t objects, bool fused) {
   return gbps + (sink == 42 ? 1e-12 : 0);
 }
 
-
 // `peer_mode`: endpoints with error handling (`-e`), as the transport's tcp endpoints run
 // (UCP_ERR_HANDLING_MODE_PEER, so that a dead peer fails its batches).
 double UcxPerftestAmBw(int port, bool peer_mode) {
@@ -429,10 +428,11 @@ nlohmann::json Breakdown(Node& n, uint64_t objects) {
   uint64_t sink = 0;
   auto put_checksummed = [&](uint64_t i) {
     std::vector<ChecksumStream> sums(std::min(objects - i, uint64_t{kBatch}));
-    std::promise<absl::Status> p;
-    std::future<absl::Status> f = p.get_future();
+    // The promise is shared: the callback may still be in set_value when f.get() returns.
+    auto p = std::make_shared<std::promise<absl::Status>>();
+    std::future<absl::Status> f = p->get_future();
     const absl::Status st = (*ep)->PutAsync(
-        ops_for(i), [&p](absl::Status s) { p.set_value(std::move(s)); },
+        ops_for(i), [p](absl::Status s) { p->set_value(std::move(s)); },
         [&sums](size_t op, std::span<const std::byte> b) { sums[op].Update(b); },
         [&sums](size_t op, std::byte* d, const std::byte* src, size_t len, bool stream) {
           sums[op].CopyUpdate(d, src, len, stream);
