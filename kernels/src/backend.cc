@@ -90,6 +90,14 @@ absl::Status CheckIndptr(const int32_t* indptr, const BlockTable& t, bool host,
   return absl::OkStatus();
 }
 
+// A prefill call with no query rows (an empty batch, or every sequence with no new
+// tokens) reads and writes nothing, so its q / out buffers may be null, as an empty
+// tensor's data pointer is. (On a device backend indptr is not readable here: only an
+// empty batch counts.) REQUIRES: CheckIndptr passed.
+bool NoQueryRows(const int32_t* indptr, const BlockTable& t, bool host) {
+  return t.batch == 0 || (host && indptr[t.batch] == 0);
+}
+
 absl::Status CheckGqaKv(const GqaPagedKv& kv, int num_q_heads) {
   RETURN_IF_ERROR(CheckCacheDType(kv.dtype, "kv.dtype"));
   if (kv.head_dim != 64 && kv.head_dim != 128) {
@@ -245,7 +253,7 @@ absl::Status KernelBackend::GqaPrefill(const GqaPrefillParams& p) {
   RETURN_IF_ERROR(CheckScale(p.scale, "scale"));
   RETURN_IF_ERROR(CheckTable(p.table, p.kv.page_size, p.kv.num_pages, host));
   RETURN_IF_ERROR(CheckIndptr(p.q_indptr, p.table, host, "q_indptr"));
-  if (p.table.batch == 0) return absl::OkStatus();
+  if (NoQueryRows(p.q_indptr, p.table, host)) return absl::OkStatus();
   RETURN_IF_ERROR(CheckPtr(p.q, "q"));
   RETURN_IF_ERROR(CheckPtr(p.out, "out"));
   GqaPrefillParams r = p;
@@ -282,7 +290,7 @@ absl::Status KernelBackend::MlaMaterialized(const MlaMaterializedParams& p) {
   }
   RETURN_IF_ERROR(CheckTable(p.table, p.kv.page_size, p.kv.num_pages, host));
   RETURN_IF_ERROR(CheckIndptr(p.q_indptr, p.table, host, "q_indptr"));
-  if (p.table.batch == 0) return absl::OkStatus();
+  if (NoQueryRows(p.q_indptr, p.table, host)) return absl::OkStatus();
   RETURN_IF_ERROR(CheckPtr(p.q_nope, "q_nope"));
   RETURN_IF_ERROR(CheckPtr(p.q_rope, "q_rope"));
   RETURN_IF_ERROR(CheckPtr(p.w_uk, "w_uk"));
@@ -313,10 +321,15 @@ absl::Status KernelBackend::KdaChunkedPrefill(const KdaPrefillParams& p) {
   RETURN_IF_ERROR(CheckScale(p.scale, "scale"));
   if (p.batch < 0) return Invalid("batch", absl::StrCat("=", p.batch, " must be >= 0"));
   if (p.batch == 0) return absl::OkStatus();
-  for (auto [ptr, name] : {std::pair<const void*, const char*>{p.q, "q"}, {p.k, "k"}, {p.v, "v"},
-                           {p.g, "g"}, {p.beta, "beta"}, {p.out, "out"},
-                           {p.cu_seqlens, "cu_seqlens"}}) {
-    RETURN_IF_ERROR(CheckPtr(ptr, name));
+  RETURN_IF_ERROR(CheckPtr(p.cu_seqlens, "cu_seqlens"));
+  // No tokens at all (checked below to be a valid prefix sum): nothing is read or
+  // written, so the token buffers may be null, as an empty tensor's data pointer is.
+  const bool no_tokens = host && p.cu_seqlens[p.batch] == 0;
+  if (!no_tokens) {
+    for (auto [ptr, name] : {std::pair<const void*, const char*>{p.q, "q"}, {p.k, "k"}, {p.v, "v"},
+                             {p.g, "g"}, {p.beta, "beta"}, {p.out, "out"}}) {
+      RETURN_IF_ERROR(CheckPtr(ptr, name));
+    }
   }
   RETURN_IF_ERROR(CheckSlots(p.slots, p.batch, p.pool, host));
   if (p.boundary_states != nullptr) RETURN_IF_ERROR(CheckPtr(p.boundary_indptr, "boundary_indptr"));
@@ -348,6 +361,7 @@ absl::Status KernelBackend::KdaChunkedPrefill(const KdaPrefillParams& p) {
                                   " chunk boundaries; use KdaCountBoundaries"));
     }
   }
+  if (no_tokens) return absl::OkStatus();
   KdaPrefillParams r = p;
   if (r.scale == 0.f) r.scale = 1.f / std::sqrt(static_cast<float>(p.pool.d_k));
   return DoKdaChunkedPrefill(r);

@@ -77,8 +77,18 @@ void Chunk(const SimdOps& ops, int C, int dk, int dv, const float* q, const floa
            const float* g, int64_t g_stride, const float* v, int64_t v_stride, const float* beta,
            int64_t beta_stride, float scale, float* S, float* out, int64_t out_stride) {
   std::vector<float> G(static_cast<size_t>(C) * dk), u(static_cast<size_t>(C) * dv), w(dk), e(dk), L(static_cast<size_t>(C) * C);
-  for (int t = 0; t < C; ++t) {  // cumulative log decay, in token order
-    for (int i = 0; i < dk; ++i) G[static_cast<size_t>(t) * dk + i] = (t ? G[static_cast<size_t>(t - 1) * dk + i] : 0.f) + g[t * g_stride + i];
+  // Cumulative log decay, in token order. A gate below kResetLogDecay is a reset
+  // (alpha = exp(g) = 0 in fp32 beyond -103.9; exp_nonpos gives exactly 0 below -87) and
+  // is summed as kResetLogDecay: a gate of -inf, or finite gates whose sum overflows,
+  // would otherwise make the running sums -inf and every later difference -inf - -inf =
+  // NaN. Every difference spanning a reset stays <= kResetLogDecay, whose exp is exactly
+  // 0 as the reset's; NaN gates stay NaN (std::max keeps its first argument).
+  constexpr float kResetLogDecay = -88.f;
+  for (int t = 0; t < C; ++t) {
+    for (int i = 0; i < dk; ++i) {
+      G[static_cast<size_t>(t) * dk + i] =
+          (t ? G[static_cast<size_t>(t - 1) * dk + i] : 0.f) + std::max(g[t * g_stride + i], kResetLogDecay);
+    }
   }
   // Pairwise decayed dot products: L (k.k, s < t) and M (q.k, s <= t) share exponents.
   std::vector<float> M(static_cast<size_t>(C) * C, 0.f);

@@ -436,6 +436,17 @@ TEST_P(GqaTest, LaunchersNameTheWrongArgument) {
   const absl::Status st2 = be_->GqaPrefill(pf);
   EXPECT_EQ(st2.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(std::string(st2.message()).find("q_indptr: decreases at 1"), std::string::npos) << st2;
+  // No new tokens anywhere: nothing to read or write, so null q / out (an empty
+  // tensor's data pointer) are accepted; with one new token they are not.
+  std::vector<int32_t> none = {0, 0, 0}, one = {0, 0, 1};
+  pf.q_indptr = none.data();
+  pf.q = nullptr;
+  pf.out = nullptr;
+  EXPECT_TRUE(be_->GqaPrefill(pf).ok());
+  pf.q_indptr = one.data();
+  const absl::Status st3 = be_->GqaPrefill(pf);
+  EXPECT_EQ(st3.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(st3.message()).find("q:"), std::string::npos) << st3;
 }
 
 }  // namespace

@@ -6,8 +6,10 @@
 // step is a contraction plus O(1) writes and rounding errors do not grow: ~1e-6 per
 // step, a few hundred steps -> ~1e-5. atol 5e-5 + rtol 5e-4 against double.
 // The chunked form reorders sums (pairwise decays), same bound.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "kernel_test.h"
@@ -236,17 +238,40 @@ TEST_P(KdaTest, ResumedFromBoundaryStateEqualsUninterrupted) {
   EXPECT_EQ(std::memcmp(again.pool.data(), full.pool.data(), full.pool.size() * sizeof(float)), 0);
 }
 
-// Decays of e^-20 per token across 64-token chunks: pairwise exponents keep it finite.
-TEST_P(KdaTest, StrongDecayStaysFinite) {
-  const int H = 1, dk = 32, dv = 32, T = 150;
-  const KdaInputs in = MakeInputs(T, H, dk, dv, 8, -20.f, -1e-3f);
-  const size_t state_elems = static_cast<size_t>(H) * dk * dv;
-  const std::vector<float> pool = RandomVec(state_elems, 5, -0.5f, 0.5f);
-  const PrefillResult r = RunPrefill(be_.get(), in, {0, T}, {0}, {0}, pool, 1, false);
+// One sequence of all of `in`'s tokens from a random state in slot 0: the chunked
+// prefill's outputs and final state against the double recurrence.
+void ExpectPrefillMatchesOracle(KernelBackend* be, const KdaInputs& in, uint32_t seed) {
+  const size_t state_elems = static_cast<size_t>(in.H) * in.dk * in.dv;
+  const std::vector<float> pool = RandomVec(state_elems, seed, -0.5f, 0.5f);
+  const PrefillResult r = RunPrefill(be, in, {0, in.T}, {0}, {0}, pool, 1, false);
   std::vector<double> S(pool.begin(), pool.end()), ref;
-  OracleRun(in, 0, T, 1.f / std::sqrt(float{dk}), false, S, &ref);
+  OracleRun(in, 0, in.T, 1.f / std::sqrt(float(in.dk)), false, S, &ref);
   EXPECT_LE(WorstRatio(r.out, ref, ref.size(), kAtol, kRtol), 1.0);
   EXPECT_LE(WorstRatio(r.pool, S, state_elems, kAtol, kRtol), 1.0);
+}
+
+// Decays of e^-20 per token across 64-token chunks: pairwise exponents keep it finite.
+TEST_P(KdaTest, StrongDecayStaysFinite) {
+  ExpectPrefillMatchesOracle(be_.get(), MakeInputs(150, 1, 32, 32, 8, -20.f, -1e-3f), 5);
+}
+
+// alpha = exp(g) = 0 resets a channel: g = -inf is allowed (kda.h: g <= 0), and so are
+// finite gates whose sum within a chunk overflows to -inf. The chunked form works with
+// differences of running sums of g; it must not turn them into -inf - -inf.
+TEST_P(KdaTest, ResetGatesOfMinusInfinity) {
+  const int H = 2, dk = 32, dv = 32, T = 150;  // three chunks of 64
+  KdaInputs in = MakeInputs(T, H, dk, dv, 21, -0.3f, -1e-3f);
+  const float inf = std::numeric_limits<float>::infinity();
+  auto gate = [&](int t, int h, int i) -> float& { return in.g[(static_cast<size_t>(t) * H + h) * dk + i]; };
+  for (int i = 0; i < dk; ++i) {
+    gate(1, 0, i) = -inf;      // a whole head reset early in the first chunk
+    gate(70, 1, i) = -inf;     // ... and in the second chunk, on the other head
+    gate(40, 0, i) = -3e38f;   // two finite gates whose sum is -inf in fp32
+    gate(41, 0, i) = -3e38f;
+  }
+  for (int i = 0; i < dk; i += 3) gate(100, 0, i) = -inf;  // some channels only
+  gate(129, 1, 5) = -inf;  // the first token of the third chunk
+  ExpectPrefillMatchesOracle(be_.get(), in, 7);
 }
 
 TEST_P(KdaTest, LaunchersNameTheWrongArgument) {
@@ -298,6 +323,24 @@ TEST_P(KdaTest, LaunchersNameTheWrongArgument) {
   st = be_->KdaChunkedPrefill(pf);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
   EXPECT_NE(std::string(st.message()).find("cu_seqlens: decreases at 1"), std::string::npos) << st;
+  // No tokens at all: nothing is read or written, so null token buffers (an empty
+  // tensor's data pointer) are accepted and the slots stay as they were; the slots and
+  // cu_seqlens are still checked.
+  std::vector<int32_t> none = {0, 0, 0, 0};
+  pf.cu_seqlens = none.data();
+  pf.q = pf.k = pf.v = pf.g = pf.beta = pf.out = nullptr;
+  std::fill(pool3.begin(), pool3.end(), 0.25f);
+  EXPECT_TRUE(be_->KdaChunkedPrefill(pf).ok());
+  EXPECT_EQ(pool3, std::vector<float>(3 * 8 * 8, 0.25f));
+  std::vector<int32_t> bad_slots = {0, 1, 3};
+  pf.slots = bad_slots.data();
+  EXPECT_NE(std::string(be_->KdaChunkedPrefill(pf).message()).find("slots[2]"), std::string::npos);
+  pf.slots = slots3.data();
+  std::vector<int32_t> one = {0, 0, 0, 1};
+  pf.cu_seqlens = one.data();
+  st = be_->KdaChunkedPrefill(pf);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(std::string(st.message()).find("q:"), std::string::npos) << st;
 }
 
 }  // namespace
