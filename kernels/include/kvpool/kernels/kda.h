@@ -1,8 +1,8 @@
 // Kimi delta attention (KDA): the gated delta rule with a per-channel decay.
 //
 // Per head, the state S is d_k x d_v in fp32 and each token t brings q_t, k_t (d_k),
-// v_t (d_v), a log-decay g_t (d_k, <= 0; alpha_t = exp(g_t)) and a write strength
-// beta_t:
+// v_t (d_v), a log-decay g_t (d_k, <= 0; alpha_t = exp(g_t); -inf resets the channel)
+// and a write strength beta_t:
 //
 //   S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1} + beta_t k_t v_t^T
 //   o_t = scale * S_t^T q_t
