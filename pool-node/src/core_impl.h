@@ -77,6 +77,19 @@ struct LeaseState {
   std::vector<ObjectKey> keys;
 };
 
+// Eviction victims of one tier, chosen without dropping anything (Impl::PlanVictims), so
+// that a Reserve, promotion or demotion that cannot make room fails before it evicts:
+// leaves in LRU order, and parents once every child they have in the tier is chosen.
+struct EvictionPlan {
+  int tier = 0;
+  std::vector<ObjectKey> victims;  // in drop order
+  absl::flat_hash_set<ObjectKey> chosen;
+  // Parents all of whose children in the tier are chosen: leaves once those are dropped.
+  std::set<std::pair<uint64_t, ObjectKey>> exposed;
+  absl::flat_hash_map<ObjectKey, size_t> children_left;  // in the tier, not chosen yet
+  uint64_t pages = 0;  // the victims' pages in the tier
+};
+
 class PoolCore::Impl {
  public:
   Impl(PoolCore* core, const PoolOptions& o);
@@ -127,7 +140,8 @@ class PoolCore::Impl {
   // --- bookkeeping (core_objects.cc) ---
   Object* Find(const ObjectKey& k) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool Visible(const Object& o) const { return o.key.kind == StateKind::kAttnKv || o.announced; }
-  bool HasChildIn(const Object& o, int t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  size_t ChildrenIn(const Object& o, int t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);  // with a copy in t
+  bool HasChildIn(const Object& o, int t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ChildrenIn(o, t) != 0; }
   void RefreshLeaf(Object& o, int t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RefreshParent(const Object& o) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Touch(Object& o) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -141,11 +155,19 @@ class PoolCore::Impl {
   void Announce(Object& lin, bool on) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AnnounceBelow(const BlockHash& h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UnannounceBelow(const BlockHash& h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Evicts leaves of tier t (optionally only of one kind) until `free_pages` are free
-  // (or, with a kind, until that kind uses at most `kind_limit` pages). False if it
-  // cannot.
+  // Evicts leaves of tier t until `free_pages` are free. False, with nothing evicted, if
+  // eviction cannot make that much room (or false after an NVMe journal failure, see
+  // DropVictims).
   bool Evict(int t, uint64_t free_pages) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool EvictKind(StateKind kind, uint64_t kind_limit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adds victims of plan.tier (of `kind` only, if given) to `plan` until the ones this
+  // call adds hold `pages` pages of the tier. False if the tier's evictable leaves, and
+  // the parents they expose, fall short (the plan then holds all it could add).
+  bool PlanVictims(EvictionPlan& plan, std::optional<StateKind> kind, uint64_t pages)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops the plan's victims' copies in order (nothing may have changed since it was
+  // planned). False if one's pages stayed held back (its NVMe journal DEL failed): the
+  // room it was to make is not there.
+  bool DropVictims(const EvictionPlan& plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool Evictable(const Object& o, int t) const;
   // Restores invariant 5 for `o`; call after changing its DRAM copy, leases, pins,
   // demoting or promotion.

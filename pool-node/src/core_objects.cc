@@ -19,14 +19,15 @@ Object* PoolCore::Impl::Find(const ObjectKey& k) {
   return it == objects_.end() ? nullptr : it->second.get();
 }
 
-bool PoolCore::Impl::HasChildIn(const Object& o, int t) {
+size_t PoolCore::Impl::ChildrenIn(const Object& o, int t) {
   auto it = children_.find(o.key);
-  if (it == children_.end()) return false;
+  if (it == children_.end()) return 0;
+  size_t n = 0;
   for (const BlockHash& c : it->second) {
     const Object* child = Find(ObjectKey{c, o.key.kind});
-    if (child != nullptr && child->copy[t]) return true;
+    n += child != nullptr && child->copy[t];
   }
-  return false;
+  return n;
 }
 
 void PoolCore::Impl::RefreshLeaf(Object& o, int t) {
@@ -224,52 +225,62 @@ uint64_t PoolCore::Impl::EvictableDramPages(int kind) {
 }
 
 bool PoolCore::Impl::Evict(int t, uint64_t free_pages) {
+  if (alloc_[t]->free_pages() >= free_pages) return true;
   // Evicting cannot help when even every unheld DRAM copy would not make room: fail
-  // before dropping anything rather than wipe the cache for nothing.
-  if (t == static_cast<int>(Tier::kDram) && alloc_[t]->free_pages() < free_pages &&
-      alloc_[t]->free_pages() + EvictableDramPages(-1) < free_pages) {
+  // before planning (an upper bound, see EvictableDramPages).
+  if (t == static_cast<int>(Tier::kDram) && alloc_[t]->free_pages() + EvictableDramPages(-1) < free_pages) {
     return false;
   }
   // While pages are held back the journal is failing: an evicted copy's pages would be
   // held back too (a restart brings it back, but this node would serve it no more).
   if (t == static_cast<int>(Tier::kNvme) && !nvme_quarantine_.empty()) return false;
-  while (alloc_[t]->free_pages() < free_pages) {
-    Object* victim = nullptr;
-    for (const auto& [tick, key] : leaves_[t]) {
-      Object* o = Find(key);
-      if (Evictable(*o, t)) {
-        victim = o;
-        break;
-      }
+  EvictionPlan plan;
+  plan.tier = t;
+  return PlanVictims(plan, std::nullopt, free_pages - alloc_[t]->free_pages()) && DropVictims(plan);
+}
+
+bool PoolCore::Impl::PlanVictims(EvictionPlan& plan, std::optional<StateKind> kind, uint64_t pages) {
+  const int t = plan.tier;
+  auto eligible = [&](const ObjectKey& k) { return (!kind || k.kind == *kind) && !plan.chosen.contains(k); };
+  // Leaves of the tier do not change while planning, and one passed over (held, of
+  // another kind, chosen) stays so: one forward walk. Exposed parents join in tick order.
+  auto leaf = leaves_[t].begin();
+  uint64_t got = 0;
+  while (got < pages) {
+    while (leaf != leaves_[t].end() && !(eligible(leaf->second) && Evictable(*Find(leaf->second), t))) ++leaf;
+    auto parent = plan.exposed.begin();
+    while (parent != plan.exposed.end() && !eligible(parent->second)) ++parent;
+    const bool from_leaves =
+        leaf != leaves_[t].end() && (parent == plan.exposed.end() || *leaf < *parent);
+    if (!from_leaves && parent == plan.exposed.end()) return false;
+    const ObjectKey key = from_leaves ? leaf->second : parent->second;
+    if (from_leaves) {
+      ++leaf;
+    } else {
+      plan.exposed.erase(parent);
     }
-    if (victim == nullptr) return false;
-    const size_t held_back = nvme_quarantine_.size();
-    DropCopy(*victim, t);
-    ++evictions_[t];
-    // Its journal DEL failed, so its pages stay unused: evicting more would not help.
-    if (nvme_quarantine_.size() != held_back) return false;
+    const Object& o = *Find(key);
+    plan.victims.push_back(key);
+    plan.chosen.insert(key);
+    got += o.pages[t].size();
+    plan.pages += o.pages[t].size();
+    if (!o.parent) continue;
+    const ObjectKey pk{*o.parent, key.kind};
+    const Object* p = Find(pk);
+    if (p == nullptr || !p->copy[t]) continue;
+    auto [left, fresh] = plan.children_left.try_emplace(pk, 0);
+    if (fresh) left->second = ChildrenIn(*p, t);
+    if (--left->second == 0 && Evictable(*p, t)) plan.exposed.emplace(p->tick, pk);
   }
   return true;
 }
 
-bool PoolCore::Impl::EvictKind(StateKind kind, uint64_t kind_limit) {
-  constexpr int t = static_cast<int>(Tier::kDram);
-  // Held copies stay whatever we evict (see Evict).
-  if (used_by_kind_[t][KindIndex(kind)] > kind_limit && held_by_kind_[KindIndex(kind)] > kind_limit) {
-    return false;
-  }
-  while (used_by_kind_[t][KindIndex(kind)] > kind_limit) {
-    Object* victim = nullptr;
-    for (const auto& [tick, key] : leaves_[t]) {
-      Object* o = Find(key);
-      if (key.kind == kind && Evictable(*o, t)) {
-        victim = o;
-        break;
-      }
-    }
-    if (victim == nullptr) return false;
-    DropCopy(*victim, t);
-    ++evictions_[t];
+bool PoolCore::Impl::DropVictims(const EvictionPlan& plan) {
+  for (const ObjectKey& k : plan.victims) {
+    const size_t held_back = nvme_quarantine_.size();
+    DropCopy(*Find(k), plan.tier);  // its children in the tier went before it
+    ++evictions_[plan.tier];
+    if (nvme_quarantine_.size() != held_back) return false;
   }
   return true;
 }

@@ -244,8 +244,9 @@ absl::StatusOr<std::unique_ptr<NvmeStore>> NvmeStore::Open(const std::string& di
     absl::flat_hash_map<uint32_t, ObjectKey> owner;
     absl::flat_hash_set<ObjectKey> bad;
     for (const auto& [key, rec] : live) {
-      const uint64_t need = (rec.length + page_bytes - 1) / page_bytes;
-      bool ok = rec.length > 0 && rec.pages.size() == need;
+      // (A length beyond kMaxObjectBytes, e.g. one near 2^64, wrapped the page count to 0.)
+      const bool length_ok = rec.length > 0 && rec.length <= kMaxObjectBytes;
+      bool ok = length_ok && rec.pages.size() == (rec.length + page_bytes - 1) / page_bytes;
       for (uint32_t pg : rec.pages) {
         if (pg >= pages) {
           ok = false;

@@ -19,7 +19,6 @@ namespace {
 constexpr int kD = static_cast<int>(Tier::kDram);
 constexpr int kN = static_cast<int>(Tier::kNvme);
 constexpr size_t kMaxBatch = 4096;
-constexpr uint64_t kMaxObjectBytes = 1ull << 32;
 
 class SystemClockImpl : public Clock {
  public:
@@ -65,6 +64,16 @@ absl::StatusOr<std::unique_ptr<PoolCore>> PoolCore::Create(PoolOptions options) 
         "demotion watermarks low=", options.demote_low_watermark, " high=",
         options.demote_high_watermark, " must satisfy 0 < low < high <= 1"));
   }
+  if (options.reserve_timeout_ms <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--reserve-timeout-ms=", options.reserve_timeout_ms,
+        " must be > 0 (a reservation must outlive its writes); e.g. --reserve-timeout-ms=30000"));
+  }
+  if (options.default_lease_ms == 0 || options.default_lease_ms > options.max_lease_ms) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--lease-ms=", options.default_lease_ms, " must be in 1..", options.max_lease_ms,
+        " (the longest lease a Lookup may ask for); e.g. --lease-ms=30000"));
+  }
   if (options.io_queue_depth < 32) {
     return absl::InvalidArgumentError(absl::StrCat("io_queue_depth=", options.io_queue_depth,
                                                    " is below 32; NVMe needs deep queues"));
@@ -103,7 +112,8 @@ absl::StatusOr<std::unique_ptr<PoolCore>> PoolCore::Create(PoolOptions options) 
     im.alloc_[kN] = std::make_unique<PageAllocator>(im.nvme_ ? im.nvme_->num_pages() : 0);
     size_t bad = 0;
     for (NvmeRecord& r : recovered) {
-      if (r.pages.size() != im.PagesFor(r.length) || im.Find(r.key) != nullptr ||
+      if (r.length == 0 || r.length > kMaxObjectBytes || r.pages.size() != im.PagesFor(r.length) ||
+          im.Find(r.key) != nullptr ||
           !im.alloc_[kN]->MarkUsed(r.pages)) {
         ++bad;
         continue;
@@ -245,25 +255,34 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
         dram_free, " of ", dram_pages_, " pages free and at most ", im.EvictableDramPages(-1),
         " more unleased; nothing was evicted; retry later, release leases or add --dram"));
   }
+  // Every victim is chosen before any is dropped: first what each kind's quota needs,
+  // then what the tier still needs beyond the room those make.
+  EvictionPlan plan;
+  plan.tier = kD;
   for (int k = 0; k < kNumKinds; ++k) {
     const uint64_t quota = options_.dram_quota_bytes[k] / page_bytes_;
     if (options_.dram_quota_bytes[k] == 0 || need_kind[k] == 0) continue;
-    const uint64_t reserved = im.reserved_by_kind_[k];
-    if (!im.EvictKind(static_cast<StateKind>(k), quota - need_kind[k] - reserved)) {
+    const uint64_t limit = quota - need_kind[k] - im.reserved_by_kind_[k];  // fits: checked above
+    const uint64_t used = im.used_by_kind_[kD][k];
+    if (used > limit && !im.PlanVictims(plan, static_cast<StateKind>(k), used - limit)) {
       unpin();
       return absl::ResourceExhaustedError(absl::StrCat(
           "the DRAM quota for ", StateKindName(static_cast<StateKind>(k)), " (",
           options_.dram_quota_bytes[k], " bytes) cannot fit ", need_kind[k] * page_bytes_,
-          " more bytes after evicting every unleased object of that kind; retry later or raise the quota"));
+          " more bytes: leased objects (or the chains above them) hold the rest; nothing was evicted; "
+          "retry later or raise the quota"));
     }
   }
-  if (need > im.alloc_[kD]->free_pages() && !im.Evict(kD, need)) {
+  const uint64_t room = dram_free + plan.pages;
+  if (need > room && !im.PlanVictims(plan, std::nullopt, need - room)) {
     unpin();
     return absl::ResourceExhaustedError(absl::StrCat(
         "Reserve needs ", need, " pages (", need * page_bytes_, " bytes) but the DRAM tier has ",
-        im.alloc_[kD]->free_pages(), " of ", dram_pages_,
-        " pages free after evicting every unleased object; retry later, release leases or add --dram"));
+        dram_free, " of ", dram_pages_, " pages free and eviction could free only ",
+        plan.pages, " more: leased objects (or the chains above them) hold the rest; nothing was evicted; "
+        "retry later, release leases or add --dram"));
   }
+  im.DropVictims(plan);  // DRAM copies: their pages are freed (no journal)
   Reservation out;
   out.id = im.next_id_++;
   out.expires_unix_ms = rs.expires_ms;

@@ -42,25 +42,33 @@ void RouterPublisher::Start(const PoolCore* core, const std::string& advertise,
     });
     return dump;
   };
-  pub_ = std::make_unique<router::EventPublisher>(std::move(o));
-  pub_->Start();
+  owned_ = std::make_unique<router::EventPublisher>(std::move(o));
+  owned_->Start();
+  pub_.store(owned_.get(), std::memory_order_release);
 }
 
 void RouterPublisher::OnStored(const ObjectKey& key, const std::optional<BlockHash>& parent, Tier tier) {
-  if (pub_) pub_->Publish(StoredEvent(key, parent, tier));
+  if (router::EventPublisher* p = pub_.load(std::memory_order_acquire)) p->Publish(StoredEvent(key, parent, tier));
 }
 
 void RouterPublisher::OnRemoved(const ObjectKey& key, Tier tier) {
-  if (!pub_) return;
+  router::EventPublisher* p = pub_.load(std::memory_order_acquire);
+  if (p == nullptr) return;
   v1::KvEvent e;
   v1::BlockRemoved* r = e.mutable_removed();
   r->add_block_hashes(key.hash.ToBytes());
   r->set_kind(ToProto(key.kind));
   r->set_tier(ToProto(tier));
-  pub_->Publish(std::move(e));
+  p->Publish(std::move(e));
 }
 
-uint64_t RouterPublisher::events_sent() const { return pub_ ? pub_->events_sent() : 0; }
-uint64_t RouterPublisher::dumps_sent() const { return pub_ ? pub_->dumps_sent() : 0; }
+uint64_t RouterPublisher::events_sent() const {
+  const router::EventPublisher* p = pub_.load(std::memory_order_acquire);
+  return p ? p->events_sent() : 0;
+}
+uint64_t RouterPublisher::dumps_sent() const {
+  const router::EventPublisher* p = pub_.load(std::memory_order_acquire);
+  return p ? p->dumps_sent() : 0;
+}
 
 }  // namespace kvpool::pool_node

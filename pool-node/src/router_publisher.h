@@ -11,6 +11,7 @@
 // with no publisher lock held.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <string>
 
@@ -37,7 +38,10 @@ class RouterPublisher : public EventSink {
  private:
   router::EventPublisherOptions opts_;
   const PoolCore* core_ = nullptr;
-  std::unique_ptr<router::EventPublisher> pub_;
+  std::unique_ptr<router::EventPublisher> owned_;  // set by Start
+  // owned_ once started: Start runs after the core and the gRPC server already call
+  // OnStored/OnRemoved from their threads (events before it are covered by the dump).
+  std::atomic<router::EventPublisher*> pub_{nullptr};
 };
 
 }  // namespace kvpool::pool_node

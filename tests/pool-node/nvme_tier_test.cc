@@ -361,7 +361,10 @@ TEST_F(NvmeTierTest, JournalRecordsThatCannotBeRightAreDroppedAtRestart) {
     const std::string forged = ForgedAdd(H(50), 1, kPage, {page}) +    // H(1)'s page again
                                ForgedAdd(H(51), 7, kPage, {40}) +      // no such state kind
                                ForgedAdd(H(52), 0, 3 * kPage, {41}) +  // 1 page for 3 pages
-                               ForgedAdd(H(53), 0, kPage, {64});       // past the file
+                               ForgedAdd(H(53), 0, kPage, {64}) +      // past the file
+                               // A length near 2^64 and no page: the page count wrapped to 0
+                               // and the record came back as an object with nothing to serve.
+                               ForgedAdd(H(54), 0, ~uint64_t{0} - 10, {});
     ASSERT_EQ(::write(fd, forged.data(), forged.size()), static_cast<ssize_t>(forged.size()));
     ::close(fd);
   }
@@ -369,7 +372,7 @@ TEST_F(NvmeTierTest, JournalRecordsThatCannotBeRightAreDroppedAtRestart) {
   // Both claimants of the shared page go (which wrote last is unknown); H(0) stays.
   EXPECT_TRUE(core->Inspect({H(0), StateKind::kAttnKv}));
   EXPECT_FALSE(core->Inspect({H(1), StateKind::kAttnKv}));
-  for (uint64_t i : {50, 52, 53}) EXPECT_FALSE(core->Inspect({H(i), StateKind::kAttnKv})) << i;
+  for (uint64_t i : {50, 52, 53, 54}) EXPECT_FALSE(core->Inspect({H(i), StateKind::kAttnKv})) << i;
   EXPECT_FALSE(core->Inspect({H(51), StateKind::kLinearState}));
   EXPECT_EQ(core->Stats().tiers[1].objects, 1u);
   // The compacted journal no longer holds them: the next start agrees.

@@ -317,6 +317,63 @@ TEST_F(PoolCoreTest, EvictsLeavesFirstThenLeastRecentlyUsed) {
   EXPECT_EQ(core->Stats().tiers[0].evictions, 4u);
 }
 
+// A leased leaf keeps its whole chain: its unleased parents can never become leaves,
+// so they are no room. A Reserve that needs them fails before evicting anything (the
+// count of unleased pages, an upper bound, once let it evict the unrelated object and
+// then fail).
+TEST_F(PoolCoreTest, ReserveThatCannotFitEvictsNothingWhenALeasedLeafHoldsItsChain) {
+  auto core = Make(8);
+  PutChain(*core, 1, 3, kPage);  // H(1) -> H(2) -> H(3)
+  ASSERT_TRUE(Put(*core, H(50), std::nullopt, Pattern(50, kPage)).ok());
+  auto lease = core->Lookup({.hashes = {H(3)}, .allow_gaps = true});  // holds the leaf H(3) only
+  ASSERT_TRUE(lease.ok());
+  ASSERT_EQ(lease->objects.size(), 1u);
+  // 4 pages free, 3 unleased (H(1), H(2), H(50)), but only H(50) can go: 5 of 7.
+  ReserveEntrySpec e{H(100), std::nullopt, StateKind::kAttnKv, 7 * kPage};
+  auto r = core->Reserve({&e, 1});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(r.status().message()), ::testing::HasSubstr("nothing was evicted"));
+  EXPECT_EQ(core->Stats().tiers[0].objects, 4u);
+  EXPECT_EQ(core->Stats().tiers[0].evictions, 0u);
+  for (uint64_t i : {1, 2, 3, 50}) EXPECT_TRUE(core->Inspect({H(i), StateKind::kAttnKv})) << i;
+  // What eviction can free is still used: 5 pages take H(50).
+  e.length = 5 * kPage;
+  r = core->Reserve({&e, 1});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(core->Inspect({H(50), StateKind::kAttnKv}));
+  EXPECT_TRUE(core->Inspect({H(1), StateKind::kAttnKv}));
+  // Once the lease ends the chain goes too, leaf first.
+  ASSERT_TRUE(core->Release(lease->lease_id).ok());
+  ReserveEntrySpec e2{H(101), std::nullopt, StateKind::kAttnKv, 3 * kPage};
+  ASSERT_TRUE(core->Reserve({&e2, 1}).ok());
+  for (uint64_t i : {1, 2, 3}) EXPECT_FALSE(core->Inspect({H(i), StateKind::kAttnKv})) << i;
+  EXPECT_EQ(core->Stats().tiers[0].evictions, 4u);
+}
+
+// The same through a kind's quota: a leased checkpoint chain's parents are no room for
+// the quota either, and the unrelated checkpoint stays.
+TEST_F(PoolCoreTest, QuotaReserveThatCannotFitEvictsNothing) {
+  auto core = Make(16, {.dram_quota_bytes = {0, 6 * kPage}});
+  const StateKind lin = StateKind::kLinearState;
+  ASSERT_TRUE(Put(*core, H(1), std::nullopt, Pattern(1, kPage), lin).ok());
+  ASSERT_TRUE(Put(*core, H(2), H(1), Pattern(2, kPage), lin).ok());
+  ASSERT_TRUE(Put(*core, H(3), H(2), Pattern(3, kPage), lin).ok());
+  ASSERT_TRUE(Put(*core, H(50), std::nullopt, Pattern(50, kPage), lin).ok());
+  // Checkpoints are looked up only while their KV prefix is present: give H(3) one.
+  PutChain(*core, 1, 3, kPage);
+  auto lease = core->Lookup({.hashes = {H(3)}, .kind = lin, .allow_gaps = true});
+  ASSERT_TRUE(lease.ok());
+  ASSERT_EQ(lease->objects.size(), 1u);
+  ReserveEntrySpec e{H(100), std::nullopt, lin, 5 * kPage};  // 2 free in the quota + H(50) only
+  auto r = core->Reserve({&e, 1});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(r.status().message()), ::testing::HasSubstr("quota for linear_state"));
+  EXPECT_THAT(std::string(r.status().message()), ::testing::HasSubstr("nothing was evicted"));
+  for (uint64_t i : {1, 2, 3, 50}) EXPECT_TRUE(core->Inspect({H(i), lin})) << i;
+  EXPECT_EQ(core->Stats().tiers[0].evictions, 0u);
+  ASSERT_TRUE(core->Release(lease->lease_id).ok());
+}
+
 TEST_F(PoolCoreTest, CheckpointVisibleOnlyWhileItsKvPrefixIsPresent) {
   auto core = Make(16);
   const ObjectKey ckpt{H(2), StateKind::kLinearState};
@@ -389,6 +446,21 @@ TEST_F(PoolCoreTest, ValidationNamesTheField) {
   bad.page_bytes = 4096;
   bad.dram_bytes = 100;
   EXPECT_THAT(std::string(PoolCore::Create(bad).status().message()), ::testing::HasSubstr("--dram"));
+  // Timeouts that would end every reservation or lease at once (a reservation reclaimed
+  // by its own Commit: every Put NOT_FOUND), or a default lease longer than the longest.
+  bad.dram_bytes = 1 << 20;
+  bad.background = false;
+  bad.reserve_timeout_ms = 0;
+  EXPECT_THAT(std::string(PoolCore::Create(bad).status().message()), ::testing::HasSubstr("--reserve-timeout-ms=0"));
+  bad.reserve_timeout_ms = 1000;
+  for (uint32_t lease : {0u, bad.max_lease_ms + 1}) {
+    bad.default_lease_ms = lease;
+    const absl::Status st = PoolCore::Create(bad).status();
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << lease;
+    EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("--lease-ms=" + std::to_string(lease)));
+  }
+  bad.default_lease_ms = bad.max_lease_ms;
+  EXPECT_TRUE(PoolCore::Create(bad).ok());
 
   auto core = Make(8);
   ReserveEntrySpec zero{H(1), std::nullopt, StateKind::kAttnKv, 0};

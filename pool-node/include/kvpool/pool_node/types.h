@@ -36,6 +36,8 @@ enum class JournalWrite : uint8_t {
 
 inline constexpr int kNumTiers = 2;
 inline constexpr int kNumKinds = 2;
+// An object's length is 1..kMaxObjectBytes (Reserve refuses others; journal replay drops them).
+inline constexpr uint64_t kMaxObjectBytes = uint64_t{1} << 32;
 inline int KindIndex(StateKind k) { return static_cast<int>(k); }
 
 // An object's bytes in the DRAM arena: pages in object order, `length` bytes in all
