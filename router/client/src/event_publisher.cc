@@ -2,8 +2,10 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <chrono>
 
+#include "kvpool/router/events.h"
 #include "spdlog/spdlog.h"
 
 namespace kvpool::router {
@@ -41,8 +43,34 @@ void EventPublisher::Start() {
 }
 
 void EventPublisher::Publish(v1::KvEvent event) {
+  // The router takes at most kMaxEventHashes hashes per event: a longer run (a prompt of
+  // more blocks) goes as consecutive events, each stored part chained to the previous
+  // part's last hash, so the router sees the same chain.
+  google::protobuf::RepeatedPtrField<std::string>* hashes =
+      event.has_stored() ? event.mutable_stored()->mutable_block_hashes()
+      : event.has_removed() ? event.mutable_removed()->mutable_block_hashes()
+                            : nullptr;
+  std::vector<v1::KvEvent> parts;
+  if (hashes != nullptr && static_cast<size_t>(hashes->size()) > router::kMaxEventHashes) {
+    const google::protobuf::RepeatedPtrField<std::string> all = std::move(*hashes);
+    hashes->Clear();  // `event` is the parts' template from here
+    const int step = static_cast<int>(router::kMaxEventHashes);
+    for (int at = 0; at < all.size(); at += step) {
+      v1::KvEvent& part = parts.emplace_back(event);
+      google::protobuf::RepeatedPtrField<std::string>* dst =
+          part.has_stored() ? part.mutable_stored()->mutable_block_hashes() : part.mutable_removed()->mutable_block_hashes();
+      dst->Reserve(std::min(step, all.size() - at));
+      for (int i = at; i < std::min(all.size(), at + step); ++i) *dst->Add() = all[i];
+      if (part.has_stored() && at > 0) part.mutable_stored()->set_parent_hash(all[at - 1]);
+    }
+  }
   absl::MutexLock l(&mu_);
-  if (streaming_) queue_.push_back(std::move(event));
+  if (!streaming_) return;
+  if (parts.empty()) {
+    queue_.push_back(std::move(event));
+  } else {
+    for (v1::KvEvent& p : parts) queue_.push_back(std::move(p));
+  }
 }
 
 void EventPublisher::CompleteDecision(uint64_t decision_id) {

@@ -19,8 +19,6 @@ bool ValidSourceId(absl::string_view id) {
   return true;
 }
 
-constexpr size_t kMaxEventHashes = 4096;
-
 absl::Status ValidateEvent(absl::string_view source_id, SourceKind kind, const KvEvent& e, size_t i) {
   if (e.type == KvEvent::Type::kCleared) return absl::OkStatus();
   const char* what = e.type == KvEvent::Type::kStored ? "stored" : "removed";
@@ -356,13 +354,17 @@ void RouterCore::ScoreCandidates(const Model& model, std::span<const BlockHash> 
     const uint32_t g_raw = (gi < match_.gpu.size() && match_.gpu[gi].source == slot) ? match_.gpu[gi].blocks : 0;
     uint32_t g = g_raw;
     uint32_t p = pool_run_end_[g] - g;
-    // Last block boundary <= b (a multiple of ckpt) with a KDA checkpoint reachable.
-    auto last_checkpoint = [&](uint32_t b) {
+    // Last block boundary <= b (a multiple of ckpt) with a KDA checkpoint on this worker
+    // or, with pool_too, on a pool node.
+    auto last_checkpoint = [&](uint32_t b, bool pool_too = true) {
       b = b / ckpt * ckpt;
-      while (b > 0 && !index_.HasState(hashes[b - 1], slot) && !index_.PoolHasState(hashes[b - 1])) b -= ckpt;
+      while (b > 0 && !index_.HasState(hashes[b - 1], slot) && !(pool_too && index_.PoolHasState(hashes[b - 1]))) {
+        b -= ckpt;
+      }
       return b;
     };
-    if (hybrid && options_.hybrid_mode == HybridMode::kStrict) {
+    const bool strict = hybrid && options_.hybrid_mode == HybridMode::kStrict;
+    if (strict) {
       const uint32_t b = last_checkpoint(g + p);
       g = std::min(g, b);
       p = b - g;
@@ -378,6 +380,9 @@ void RouterCore::ScoreCandidates(const Model& model, std::span<const BlockHash> 
       if (transfer_s >= options_.cost.PrefillSeconds(spec, p * bt)) {
         p = 0;
         transfer_s = 0;
+        // Strict: the hit must still end at a checkpoint, now one this worker holds
+        // (the GPU run alone may stop between two).
+        if (strict) g = last_checkpoint(g, /*pool_too=*/false);
       }
     }
     double replay_s = 0;

@@ -79,6 +79,11 @@ absl::StatusOr<EventBatch> BatchFromProto(const v1::EventBatch& in, std::string*
   if (static_cast<size_t>(in.events_size()) > kMaxBatchEvents) {
     return Invalid("events", absl::StrCat(in.events_size(), " events; send at most ", kMaxBatchEvents, " per batch"));
   }
+  if (in.dump_sequence() != 0 && !in.full_dump()) {
+    return Invalid("dump_sequence", absl::StrCat(in.dump_sequence(),
+                                                 " set on a batch that is not a full dump; it says where a full "
+                                                 "dump's sequence stands: leave it 0 here"));
+  }
   EventBatch b;
   b.full_dump = in.full_dump();
   b.dump_sequence = in.dump_sequence();

@@ -19,7 +19,7 @@
 namespace kvpool::sim {
 namespace {
 
-constexpr size_t kMaxEventHashes = 4096;  // the router's per-event limit (router.proto)
+using router::kMaxEventHashes;
 
 absl::Time At(double t) { return absl::UnixEpoch() + absl::Seconds(t); }
 

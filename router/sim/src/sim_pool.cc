@@ -4,9 +4,7 @@
 
 namespace kvpool::sim {
 
-namespace {
-constexpr size_t kMaxEventHashes = 4096;  // the router's per-event limit (router.proto)
-}
+using router::kMaxEventHashes;
 
 uint32_t PoolTier::RunFrom(std::span<const BlockHash> chain, uint32_t first, uint32_t max_blocks) const {
   uint32_t n = 0;

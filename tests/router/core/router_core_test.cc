@@ -191,6 +191,33 @@ TEST_F(RouterCoreTest, HybridStrictStopsAtCheckpointReplayPaysTheGap) {
   }
 }
 
+// Strict mode when the pool's blocks are not worth fetching: the checkpoint that made
+// the KV hit usable was the pool's, so without the fetch the GPU run alone (2 blocks, no
+// checkpoint at or below it) is no hit at all.
+TEST_F(RouterCoreTest, HybridStrictHitEndsAtACheckpointEvenWithoutTheFetch) {
+  RouterOptions o;
+  o.models = {"tiny-hybrid"};  // 64-token blocks, a checkpoint every 4 blocks
+  o.policy = PolicyKind::kTtft;
+  o.hybrid_mode = HybridMode::kStrict;
+  o.pool_dram_bandwidth = 1e3;  // 1 KB/s: fetching always loses to recomputing
+  Make(o);
+  Worker("w0", "tiny-hybrid");
+  PoolNode("p0");
+  auto h = Hash(Tokens(64 * 8, 5), "tiny-hybrid");
+  Store("w0", h, 2);
+  Store("p0", h, 8, Tier::kDram);
+  Store("p0", h, 1, Tier::kDram, StateKind::kLinearState, 3);  // the pool's checkpoint at block 4
+  RouteDecision d = Route(h, kT0, "", "tiny-hybrid");
+  EXPECT_EQ(d.pool_hit_blocks, 0u);
+  EXPECT_EQ(d.gpu_hit_blocks, 0u);
+  // With its own checkpoint at block 4 (and its KV up to there) the worker has a hit.
+  Store("w0", h, 4);
+  Store("w0", h, 1, Tier::kGpu, StateKind::kLinearState, 3);
+  d = Route(h, kT0, "", "tiny-hybrid");
+  EXPECT_EQ(d.gpu_hit_blocks, 4u);
+  EXPECT_EQ(d.pool_hit_blocks, 0u);
+}
+
 // One shared system prompt, 8 instances that publish what they cache: cache_aware must
 // not herd. Completions arrive at random, as from real workers.
 double MaxOverMeanAfterHerd(RouterCore& core, std::mt19937_64& rng, bool check, int* violations) {

@@ -153,6 +153,39 @@ class RouterServiceTest : public ::testing::Test {
   std::unique_ptr<BlockHasher> hasher_;
 };
 
+// A worker that caches a prompt of more blocks than the router takes in one event
+// (4096 hashes) publishes it as one cache event: the publisher cuts it into chained
+// events the router accepts, and the whole run is indexed (the engine's single event was
+// refused with INVALID_ARGUMENT, and the stream ended, on every such prompt).
+TEST_F(RouterServiceTest, PublisherSplitsEventsLongerThanTheRoutersLimit) {
+  const std::vector<BlockHash> hashes = hasher_->HashPrefix(Tokens(16 * 9000, 41));  // 9000 blocks
+  ASSERT_EQ(hashes.size(), 9000u);
+  EventPublisher pub(PublisherOptions({}, absl::Milliseconds(20)));
+  pub.Start();
+  ASSERT_TRUE(Eventually([&] { return pub.connected(); }));
+  v1::KvEvent stored;
+  for (const BlockHash& h : hashes) stored.mutable_stored()->add_block_hashes(h.ToBytes());
+  stored.mutable_stored()->set_kind(v1::STATE_KIND_ATTN_KV);
+  stored.mutable_stored()->set_tier(v1::TIER_GPU);
+  pub.Publish(stored);
+  ASSERT_TRUE(Eventually([&] { return IndexBlocksOf("w0") == 9000; })) << IndexBlocksOf("w0");
+  EXPECT_EQ(pub.registrations(), 1u) << "the stream broke";
+  v1::RouteRequest by_hash;
+  by_hash.mutable_model()->set_name("tiny-gqa");
+  for (const auto& h : hashes) by_hash.add_block_hashes(h.ToBytes());
+  auto r = client_->Route(by_hash);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->gpu_hit_blocks(), 9000u);
+  // Removing them all goes in parts too.
+  v1::KvEvent removed;
+  *removed.mutable_removed()->mutable_block_hashes() = stored.stored().block_hashes();
+  removed.mutable_removed()->set_kind(v1::STATE_KIND_ATTN_KV);
+  removed.mutable_removed()->set_tier(v1::TIER_GPU);
+  pub.Publish(removed);
+  ASSERT_TRUE(Eventually([&] { return IndexBlocksOf("w0") == 0; })) << IndexBlocksOf("w0");
+  EXPECT_EQ(pub.registrations(), 1u);
+}
+
 TEST_F(RouterServiceTest, RoutesToTheInstanceThatPublishedThePrefix) {
   RegisterWorker("w0");
   RegisterWorker("w1");
@@ -409,6 +442,10 @@ TEST_F(RouterServiceTest, BadInputGetsClearErrorsAndOthersAreStillServed) {
   v1::EventBatch no_tier = Stored("w0", 1, hashes, 2);
   no_tier.mutable_events(0)->mutable_stored()->set_tier(v1::TIER_UNSPECIFIED);
   expect(client_->PublishEvents({no_tier}).status(), absl::StatusCode::kInvalidArgument, "events[0].stored.tier");
+  v1::EventBatch stray_dump_sequence = Stored("w0", 1, hashes, 2);  // not a full dump
+  stray_dump_sequence.set_dump_sequence(1000);
+  expect(client_->PublishEvents({stray_dump_sequence}).status(), absl::StatusCode::kInvalidArgument,
+         "dump_sequence: 1000 set on a batch that is not a full dump");
   v1::RegisterRequest bad_reg;
   bad_reg.set_source_id("w9");
   expect(client_->Register(bad_reg).status(), absl::StatusCode::kInvalidArgument, "kind");

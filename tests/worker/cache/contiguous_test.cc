@@ -1,4 +1,5 @@
 // The contiguous baseline, and the paged policy against it behind one interface.
+#include <cstdint>
 #include <memory>
 #include <vector>
 
@@ -58,6 +59,14 @@ TEST(ContiguousTest, ReservesMaxLenPerRequest) {
   ASSERT_TRUE(d.ok());
   EXPECT_EQ(d->num_new_blocks, 0);
   EXPECT_EQ(m->AllocateSlots(0, 1).status().code(), absl::StatusCode::kOutOfRange);
+  // A count near INT64_MAX is refused too (num_slots + n overflowed to a negative sum,
+  // which passed the check), and changes nothing.
+  ASSERT_TRUE(m->Free(0).ok());
+  ASSERT_TRUE(m->AddRequest(Hashed(0, 10)).ok());
+  ASSERT_TRUE(m->AllocateSlots(0, 10).ok());
+  EXPECT_EQ(m->AllocateSlots(0, INT64_MAX).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(m->AllocateSlots(0, INT64_MAX - 5).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(m->Usage().live_tokens, 40);
 }
 
 TEST(ContiguousTest, FreedRangesCoalesce) {

@@ -131,9 +131,10 @@ absl::StatusOr<SlotAllocation> ContiguousCacheManager::AllocateSlots(RequestId i
         "the contiguous policy has no prefix cache; pass the (empty) hit it returned");
   }
   Request& r = it->second;
-  if (r.num_slots + num_new_tokens > config_.max_model_len) {
+  // Compared without adding (num_new_tokens near INT64_MAX overflowed the sum).
+  if (num_new_tokens > config_.max_model_len - r.num_slots) {
     return absl::OutOfRangeError(absl::StrCat(
-        "request ", id, " needs ", r.num_slots + num_new_tokens,
+        "request ", id, " needs ", r.num_slots, " + ", num_new_tokens,
         " tokens but the contiguous policy reserved max_model_len=", config_.max_model_len,
         "; stop generation there or raise max_model_len"));
   }

@@ -77,7 +77,9 @@ class EventPublisher {
   EventPublisher& operator=(const EventPublisher&) = delete;
 
   void Start();
-  // Queues an event; its sequence number is assigned when it is sent.
+  // Queues an event; its sequence number is assigned when it is sent. A stored or removed
+  // event of more than 4096 hashes (the router's limit per event) is queued as
+  // consecutive events of at most 4096, stored parts chained by parent hash.
   void Publish(v1::KvEvent event);
   // A routed request (RouteResponse.decision_id) finished prefill: reported in the next
   // heartbeat so the router releases its optimistic load. 0 is ignored.

@@ -10,6 +10,7 @@
 // Thread safety: plain values.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -19,6 +20,10 @@
 #include "kvpool/common/model_spec.h"
 
 namespace kvpool::router {
+
+// Hashes per stored or removed event (router.proto: 1..4096); sources split longer runs
+// (EventPublisher::Publish does).
+inline constexpr size_t kMaxEventHashes = 4096;
 
 enum class Tier : uint8_t { kGpu = 0, kDram = 1, kNvme = 2 };
 inline constexpr int kNumTiers = 3;
