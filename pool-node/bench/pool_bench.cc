@@ -62,10 +62,11 @@ constexpr int kRounds = 3;  // node path and memcpy each measured kRounds times,
 
 double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
-// CPU seconds of this process (all threads: client, node, gRPC) so far.
-double ProcessCpuSeconds() {
+// CPU seconds so far of this process (CLOCK_PROCESS_CPUTIME_ID: all threads, i.e.
+// client, node, gRPC) or of the calling thread (CLOCK_THREAD_CPUTIME_ID).
+double CpuSeconds(clockid_t clock = CLOCK_PROCESS_CPUTIME_ID) {
   timespec t;
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  clock_gettime(clock, &t);
   return t.tv_sec + t.tv_nsec / 1e9;
 }
 
@@ -148,6 +149,9 @@ Node StartNode(uint64_t dram, const std::string& nvme_dir, uint64_t nvme, uint64
 struct PathResult {
   double put_GBps = 0, get_GBps = 0;
   double put_cpus = 0, get_cpus = 0;  // CPUs this process kept busy (client + node + gRPC)
+  // CPU seconds spent during the puts: by the whole process, and by the calling thread
+  // (the client's copies, checksums and RPC sends; the rest is the node and gRPC).
+  double put_cpu_s = 0, put_caller_cpu_s = 0;
 };
 
 // Puts then gets `objects` 1 MiB objects through the node.
@@ -159,7 +163,7 @@ PathResult NodePath(Node& n, uint64_t objects, uint64_t round) {
     for (uint64_t k = 0; k < kPagesPerObject; ++k) p.push_back(first + k);
     return p;
   };
-  const double cpu0 = ProcessCpuSeconds();
+  const double cpu0 = CpuSeconds(), caller0 = CpuSeconds(CLOCK_THREAD_CPUTIME_ID);
   const auto t0 = Clock::now();
   for (uint64_t i = 0; i < objects; i += kBatch) {
     std::vector<PutItem> items;
@@ -173,7 +177,7 @@ PathResult NodePath(Node& n, uint64_t objects, uint64_t round) {
     }
   }
   const auto t1 = Clock::now();
-  const double cpu1 = ProcessCpuSeconds();
+  const double cpu1 = CpuSeconds(), caller1 = CpuSeconds(CLOCK_THREAD_CPUTIME_ID);
   for (uint64_t i = 0; i < objects; i += kBatch) {
     std::vector<BlockHash> chain;
     std::vector<std::vector<uint64_t>> dst;
@@ -194,10 +198,11 @@ PathResult NodePath(Node& n, uint64_t objects, uint64_t round) {
     n.client->ReleaseAsync(lease->lease_id);  // what a worker does: no need to wait
   }
   const auto t2 = Clock::now();
-  const double cpu2 = ProcessCpuSeconds();
+  const double cpu2 = CpuSeconds();
   const double bytes = static_cast<double>(objects * kObject);
   return {bytes / Seconds(t0, t1) / 1e9, bytes / Seconds(t1, t2) / 1e9,
-          (cpu1 - cpu0) / Seconds(t0, t1), (cpu2 - cpu1) / Seconds(t1, t2)};
+          (cpu1 - cpu0) / Seconds(t0, t1), (cpu2 - cpu1) / Seconds(t1, t2),
+          cpu1 - cpu0, caller1 - caller0};
 }
 
 
@@ -560,9 +565,12 @@ int main(int argc, char** argv) {
     double put = 0, get = 0, mc = 0, mx = 0, mf = 0, ms = 0;
     nlohmann::json rounds = nlohmann::json::array();
     PutPhaseSum phases;
+    double put_cpu_s = 0, put_caller_cpu_s = 0;
     for (int r = 0; r < kRounds; ++r) {
       const PutPhases before = n.client->put_phases();
       const PathResult p = NodePath(n, mib, 1 + r);
+      put_cpu_s += p.put_cpu_s;
+      put_caller_cpu_s += p.put_caller_cpu_s;
       PutPhaseSum round_phases;
       round_phases.Add(before, n.client->put_phases(), static_cast<double>(mib * kObject));
       phases.Add(before, n.client->put_phases(), static_cast<double>(mib * kObject));
@@ -605,6 +613,24 @@ int main(int argc, char** argv) {
                              "put_cpus/get_cpus: CPUs the process kept busy; load1: uptime's 1-min load"},
                   {"ucx_transports", "UCX_TLS as set in the environment (default: all; sm/cma on one host)"}};
     out["shm"]["put_phases"] = phases.Json();
+    {
+      // What a put costs in CPU, and how many CPUs that cost would keep busy at 0.8 of the
+      // memcpy baseline's speed (the target): above this machine's CPU count the
+      // target is out of reach however well the work overlaps, unless a put costs less.
+      const double gb = kRounds * static_cast<double>(mib * kObject) / 1e9;
+      const double per_gb = put_cpu_s / gb;
+      out["shm"]["put_cpu"] = {
+          {"process_cpu_s_per_GB", per_gb},
+          {"caller_thread_cpu_s_per_GB", put_caller_cpu_s / gb},
+          {"other_threads_cpu_s_per_GB", (put_cpu_s - put_caller_cpu_s) / gb},
+          {"memcpy_cpu_s_per_GB", 1.0 / mc},
+          {"cpus_busy_at_0_8_of_memcpy", per_gb * 0.8 * mc},
+          {"cpus_online", static_cast<int>(std::thread::hardware_concurrency())},
+          {"method", "CPU time of the process (client, node, gRPC, UCX threads) and of the thread "
+                     "calling Put, summed over the rounds' puts, per GB put; cpus_busy_at_0_8_of_memcpy "
+                     "= process_cpu_s_per_GB x 0.8 x memcpy_GBps (best round): the CPUs a put at the "
+                     "target speed would keep busy at today's cost per GB"}};
+    }
     out["shm"]["breakdown"] = Breakdown(n, mib);
     out["lookup_128"] = LookupLatency(n, 2000);
     out["lookup_128"]["load1"] = LoadAverage();
