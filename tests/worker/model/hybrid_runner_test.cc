@@ -1,6 +1,8 @@
 // ModelRunner on tiny-hybrid (3 KDA + 1 MLA layers, 64-token blocks, a KDA checkpoint
 // every 256 tokens): checkpoint restore + replay (and strict) equal the uninterrupted
 // run, checkpoints saved by decode steps, and blocks + checkpoints imported as bytes.
+#include <algorithm>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -151,6 +153,37 @@ TEST_P(HybridRunnerTest, ImportedBlocksAndCheckpointEqualRecompute) {
     EXPECT_EQ(got.replayed_tokens, replay ? 5 * kBlock : 0);
     EXPECT_SAME_OUTPUT(got, ref);
   }
+}
+
+// A fetch of 9 blocks and the checkpoint at 512 that fails (node gone, DATA_LOSS, lease
+// run out): FinishImport(false) must leave nothing the import cached. The import also
+// set aside the checkpoint run at 256, which it was not asked to fill: evicting that one
+// twice (as unfilled, then as cached) returned NOT_FOUND, which ended FinishImport
+// before the blocks, so all 9 blocks stayed hits over pages nobody wrote.
+TEST_P(HybridRunnerTest, FailedFetchAcrossTwoCheckpointsLeavesNoHit) {
+  auto a = MakeRunner("tiny-hybrid", Mode(GetParam()));
+  auto b = MakeRunner("tiny-hybrid", Mode(GetParam()));
+  auto cold = MakeRunner("tiny-hybrid", Mode(GetParam()));
+  ASSERT_TRUE(a && b && cold);
+  const auto prompt = Tokens(9 * kBlock + 10, 47);
+  Gen(*a, prompt, 1);
+  const auto chain = a->HashPrompt(prompt, "");
+  ASSERT_EQ(chain.size(), 9u);
+  bool have[9];
+  std::fill(std::begin(have), std::end(have), true);
+  const BlockHash at512[1] = {chain[2 * kCheckpoint / kBlock - 1]};
+  auto plan = b->BeginImport(chain, have, at512);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(plan->blocks.size(), 9u);
+  ASSERT_EQ(plan->checkpoints.size(), 1u);
+  ASSERT_TRUE(b->FinishImport(*plan, /*filled=*/false).ok());
+  for (const BlockHash& h : chain) EXPECT_EQ(b->ExportBlock(h).status().code(), absl::StatusCode::kNotFound);
+  for (int c : {kCheckpoint, 2 * kCheckpoint}) {
+    EXPECT_EQ(b->cache().block_pool().GetCachedCheckpoint(chain[c / kBlock - 1]), cache::kNoBlock) << c;
+  }
+  const GenerateResult got = Gen(*b, prompt, 3);
+  EXPECT_EQ(got.hit_tokens, 0);
+  EXPECT_SAME_OUTPUT(got, Gen(*cold, prompt, 3));
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, HybridRunnerTest,

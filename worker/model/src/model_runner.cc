@@ -573,21 +573,22 @@ absl::Status ModelRunner::FinishImport(ImportPlan& plan, bool filled) {
   if (plan.request == 0) return absl::OkStatus();
   const cache::RequestId rid = plan.request;
   plan.request = 0;
-  RETURN_IF_ERROR(cache_->Free(rid));
+  absl::Status first = cache_->Free(rid);
   // Checkpoint runs the manager set aside without bytes to put in them must not be
-  // hits; on failure neither may anything the import cached.
-  for (const BlockHash& h : plan.unfilled) {
-    RETURN_IF_ERROR(cache_->EvictCached(h, StateKind::kLinearState).status());
-  }
+  // hits; on failure neither may anything the import cached. Every eviction is tried
+  // even after one fails (a hit left behind serves bytes nobody wrote), and a hash that
+  // is gone already (NOT_FOUND: an unfilled checkpoint is also in cached_checkpoints)
+  // is what eviction wants.
+  auto evict = [&](const BlockHash& h, StateKind kind) {
+    const absl::Status st = cache_->EvictCached(h, kind).status();
+    if (!st.ok() && !absl::IsNotFound(st) && first.ok()) first = st;
+  };
+  for (const BlockHash& h : plan.unfilled) evict(h, StateKind::kLinearState);
   if (!filled) {
-    for (const BlockHash& h : plan.cached_checkpoints) {
-      RETURN_IF_ERROR(cache_->EvictCached(h, StateKind::kLinearState).status());
-    }
-    for (const BlockHash& h : plan.cached) {
-      RETURN_IF_ERROR(cache_->EvictCached(h, StateKind::kAttnKv).status());
-    }
+    for (const BlockHash& h : plan.cached_checkpoints) evict(h, StateKind::kLinearState);
+    for (const BlockHash& h : plan.cached) evict(h, StateKind::kAttnKv);
   }
-  return absl::OkStatus();
+  return first;
 }
 
 absl::StatusOr<ImportStats> ModelRunner::ImportPrefix(const PrefixImport& import) {
