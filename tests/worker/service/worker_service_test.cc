@@ -2,6 +2,7 @@
 // router, all in this process on loopback. The invariant under test: a request's output
 // tokens and hidden digest are bit-identical whether its prefix came from the local
 // cache, a pool node's DRAM or NVMe, or full recompute — for GQA, MLA and hybrid models.
+#include <atomic>
 #include <grpcpp/grpcpp.h>
 #include <httplib.h>
 #include <gtest/gtest.h>
@@ -334,6 +335,35 @@ TEST(WorkerService, WriteBackThenNodeLoss) {
   EXPECT_GT(ExpectSameAsOracle(worker_b, prompts, want, 2, 0, 4).pool, 0u);
   cl.KillNode(0);
   ExpectSameAsOracle(worker_b, prompts, want, 2, 4);
+}
+
+// A step whose forward pass fails (injected, as a kernel failure) has already cached the
+// pages it allocated: the request fails, and none of those pages may be offloaded (they
+// would reach the pool with a valid checksum over bytes nobody computed).
+TEST(WorkerService, FailedStepOffloadsNothing) {
+  Cluster cl("fault");
+  const std::string a = cl.StartNode("pool-a", 8 << 20, 0);
+  std::atomic<int> forwards{0};
+  WorkerConfig wc;
+  wc.instance_id = "worker-f";
+  wc.pool_nodes = {a};
+  wc.forward_fault = [&forwards]() -> absl::Status {
+    return ++forwards == 1 ? absl::InternalError("injected kernel failure") : absl::OkStatus();
+  };
+  Client w(cl.StartWorker(wc));
+  std::mt19937 rng(9);
+  // The prefill step allocates (and caches) 3 full blocks of 16, then its forward pass
+  // fails.
+  auto first = w.Generate(RandomTokens(rng, 3 * 16 + 2, 512), 3);
+  ASSERT_FALSE(first.ok());
+  EXPECT_NE(std::string(first.status().message()).find("injected kernel failure"), std::string::npos)
+      << first.status();
+  // The worker refuses further work (its runner is broken); nothing reached the pool.
+  EXPECT_FALSE(w.Generate(RandomTokens(rng, 4 * 16 + 2, 512), 1).ok());
+  size_t stored = 0;
+  cl.node(0).core().ForEachVisible([&](const pool_node::ObjectKey&, const std::optional<BlockHash>&, auto) { ++stored; });
+  EXPECT_EQ(stored, 0u);
+  EXPECT_EQ(w.Stats().bytes_moved_by_tier().at("offloaded"), 0u);
 }
 
 TEST(WorkerService, BadRequestsNameTheField) {

@@ -380,7 +380,10 @@ absl::StatusOr<std::vector<SequenceId>> ModelRunner::StepOnce() {
     waiting_.erase(waiting_.begin());
   }
   // 3. One batched forward pass.
-  if (!segments.empty()) RETURN_IF_ERROR(RunForward(segments));
+  if (!segments.empty()) {
+    if (options_.forward_fault) RETURN_IF_ERROR(options_.forward_fault());
+    RETURN_IF_ERROR(RunForward(segments));
+  }
   for (Segment& seg : segments) {
     Sequence& seq = *seg.seq;
     seq.computed = seg.end;

@@ -371,6 +371,12 @@ void Engine::StepOnce() {
   if (!finished.ok()) {
     spdlog::error("engine step failed: {}; failing every request", std::string(finished.status().message()));
     FailAll(finished.status());
+    // The step cached pages its forward pass never wrote (the runner refuses further
+    // work): none of what waits to be offloaded may reach the pool.
+    offload_queue_.clear();
+    unresolved_.clear();
+    write_back_[0].clear();
+    write_back_[1].clear();
     return;
   }
   for (auto& [id, p] : running_) {

@@ -43,6 +43,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -76,6 +77,9 @@ struct RunnerOptions {
   // Events of the cache manager (not owned; may be null) and their source id.
   cache::KvEventSink* event_sink = nullptr;
   std::string source_id = "worker";
+  // Fault injection (tests): called before each batched forward pass; an error fails
+  // that step as a kernel failure would (after the step allocated and cached its pages).
+  std::function<absl::Status()> forward_fault;
 };
 
 struct GenerateRequest {

@@ -9,6 +9,7 @@
 // Thread safety: Start/Shutdown from one thread; the server's handlers are thread-safe.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -34,6 +35,8 @@ struct WorkerConfig {
   int pool_rpc_timeout_ms = 2000;
   int metrics_port = -1;             // 0: any free port, -1: off
   int threads = 1;                   // kernel threads
+  // Fault injection (tests): model::RunnerOptions::forward_fault.
+  std::function<absl::Status()> forward_fault;
 };
 
 // Parses kvpool-worker's flags. CANCELLED after --help (printed); INVALID_ARGUMENT names
