@@ -582,14 +582,16 @@ class RawAmPeer {
     eps_.push_back(ep);
     return ep;
   }
-  void Reply(ucp_ep_h ep, uint64_t batch_id, uint32_t part, std::vector<std::byte> payload) {
+  // A reply as an owner sends it: kAmGetResp with the bytes, or (id = kAmPutAck) an ack.
+  void Reply(ucp_ep_h ep, uint64_t batch_id, uint32_t part, std::vector<std::byte> payload,
+             unsigned id = kAmGetResp) {
     AmHeader h{};
     h.batch_id = batch_id;
     h.part = part;
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     p.flags = UCP_AM_SEND_FLAG_REPLY;
-    Wait(ucp_am_send_nbx(ep, kAmGetResp, &h, sizeof(h), payload.data(), payload.size(), &p));
+    Wait(ucp_am_send_nbx(ep, id, &h, sizeof(h), payload.data(), payload.size(), &p));
   }
   void Progress(absl::Duration d) {
     const absl::Time end = absl::Now() + d;
@@ -690,6 +692,24 @@ TEST_P(TransportTest, RepliesCountOnlyFromTheBatchsPeerAndOncePerMessage) {
   }
   s = peer.Await(f2);
   EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+
+  // 3. A reply of the other direction from the right endpoint does not count: a put ack
+  // to a get completed it OK with no byte landed.
+  auto conn3 = client_->Connect(peer.address(), "raw3");
+  ASSERT_TRUE(conn3.ok()) << conn3.status();
+  ep = *conn3;
+  ASSERT_TRUE(ep->ImportArena(remote_).ok());
+  peer.requests_.clear();
+  std::promise<absl::Status> p3;
+  std::future<absl::Status> f3 = p3.get_future();
+  ASSERT_TRUE(ep->GetAsync({{Local({0}), Remote({0, 1})}},
+                           [&](absl::Status s) { p3.set_value(std::move(s)); }).ok());
+  for (int i = 0; i < 2000 && peer.requests_.empty(); ++i) peer.Progress(absl::Milliseconds(1));
+  ASSERT_EQ(peer.requests_.size(), 1u);
+  const auto [reply_ep3, h3] = peer.requests_[0];
+  peer.Reply(reply_ep3, h3.batch_id, h3.part, {}, kAmPutAck);
+  s = peer.Await(f3);
+  EXPECT_FALSE(s.ok()) << "a get completed by a put ack";
 }
 
 // A get request that asks for several messages is answered per message; one whose
@@ -1041,6 +1061,35 @@ TEST_P(TransportTest, CallerPollsThenStopsAndTheProgressThreadTakesOver) {
                             77, i * kClientPage),
               -1)
         << "batch " << i;
+  }
+}
+
+// A caller may drop its local Arena while a batch on it is in flight (the worker holds
+// it meanwhile). The observer of bytes UCX moved runs just before `done`, after the
+// batch is freed: it must still find the arena alive (it read the pages of a destroyed,
+// detached arena before). The observer only checks, it does not touch the bytes.
+TEST_P(TransportTest, ObserverRunsWhileTheDroppedLocalArenaIsStillHeld) {
+  for (const bool put : {false, true}) {
+    SCOPED_TRACE(put ? "put" : "get");
+    absl::StatusOr<std::shared_ptr<Arena>> made = client_->AllocateArena(kClientPages * kClientPage, kClientPage);
+    ASSERT_TRUE(made.ok()) << made.status();
+    std::shared_ptr<Arena> arena = *std::move(made);  // the caller's only reference
+    const std::weak_ptr<Arena> w = arena;
+    std::atomic<bool> alive{true};
+    std::atomic<int> seen{0};
+    auto p = std::make_shared<std::promise<absl::Status>>();
+    std::future<absl::Status> f = p->get_future();
+    std::vector<TransferOp> ops = {{{arena->id(), {0, 1}, 0}, Remote({0, 1, 2, 3})}};
+    auto done = [p](absl::Status s) { p->set_value(std::move(s)); };
+    auto observe = [&](size_t, std::span<const std::byte>) {
+      ++seen;
+      alive = alive && !w.expired();
+    };
+    ASSERT_TRUE((put ? ep_->PutAsync(std::move(ops), done, observe) : ep_->GetAsync(std::move(ops), done, observe)).ok());
+    arena.reset();
+    ASSERT_TRUE(f.get().ok());
+    EXPECT_GT(seen.load(), 0);
+    EXPECT_TRUE(alive.load());
   }
 }
 

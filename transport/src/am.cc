@@ -358,6 +358,10 @@ ucs_status_t WorkerImpl::OnInitiatorReply(unsigned id, const AmHeader& h, void* 
   // Batch ids are sequential, hence guessable: only the peer the batch went to may answer
   // it, once per message (a duplicate would count down another message's reply).
   if (reply_ep == nullptr || reply_ep != b.ep->ep_) return UCS_OK;
+  // And only with the reply its direction expects: a get response to a put would land
+  // the peer's bytes in the put's source pages, a put ack would end a get with nothing
+  // landed.
+  if (id != (b.dir == Direction::kPut ? kAmPutAck : kAmGetResp)) return UCS_OK;
   size_t slot = h.part;
   if (b.one_reply) {
     // One ack for the batch (part == its number of messages), or a refusal of one part.

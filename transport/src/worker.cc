@@ -1248,7 +1248,10 @@ void WorkerImpl::Finish(Batch& b, absl::Status s) {
       if (!seg.observed) rest.push_back(seg);
     }
     if (!rest.empty()) {
-      b.done = [observe = std::move(b.observe), rest = std::move(rest),
+      // The batch (and its hold on the local arenas) is freed before `done` runs: the
+      // wrapper keeps the arenas the observer reads (a caller may drop its Arena while
+      // the batch is in flight).
+      b.done = [observe = std::move(b.observe), rest = std::move(rest), hold = b.hold,
                 done = std::move(b.done)](absl::Status st) {
         for (const Segment& seg : rest) {
           observe(seg.op, std::span<const std::byte>(seg.local, seg.len));
