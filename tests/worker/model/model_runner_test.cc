@@ -387,6 +387,25 @@ TEST(RunnerAdmissionTest, SequencesWhoseReservationsFitRunTogether) {
   EXPECT_TRUE(r->TakeResult(*ib).ok());
 }
 
+// last_step_tokens: what one batched forward pass computed, the engine's measure of
+// prefill throughput (tokens over the step's time).
+TEST(RunnerAdmissionTest, LastStepTokensCountsTheWholeBatch) {
+  auto r = MakeRunner("tiny-gqa");
+  ASSERT_TRUE(r);
+  auto ia = r->AddSequence(Req(Tokens(50, 1), 3));
+  auto ib = r->AddSequence(Req(Tokens(30, 2), 3));
+  ASSERT_TRUE(ia.ok() && ib.ok());
+  ASSERT_TRUE(r->Step().ok());  // both prompts
+  EXPECT_EQ(r->last_step_tokens(), 80);
+  ASSERT_TRUE(r->Step().ok());  // one decode token each
+  EXPECT_EQ(r->last_step_tokens(), 2);
+  // A prompt whose first 3 blocks (48 tokens) hit the cache computes only the rest.
+  auto ic = r->AddSequence(Req(Concat(Tokens(48, 1), Tokens(7, 9)), 1));
+  ASSERT_TRUE(ic.ok());
+  ASSERT_TRUE(r->Step().ok());
+  EXPECT_EQ(r->last_step_tokens(), 7 + 2);
+}
+
 INSTANTIATE_TEST_SUITE_P(Tiny, RunnerTest, ::testing::Values("tiny-gqa", "tiny-mla"),
                          [](const auto& info) {
                            std::string n = info.param;

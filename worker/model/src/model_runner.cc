@@ -335,6 +335,7 @@ absl::StatusOr<std::vector<SequenceId>> ModelRunner::Step() {
 }
 
 absl::StatusOr<std::vector<SequenceId>> ModelRunner::StepOnce() {
+  last_step_tokens_ = 0;
   std::vector<SequenceId> done;
   std::vector<Segment> segments;
   segments.reserve(running_.size() + waiting_.size());
@@ -383,6 +384,7 @@ absl::StatusOr<std::vector<SequenceId>> ModelRunner::StepOnce() {
   if (!segments.empty()) {
     if (options_.forward_fault) RETURN_IF_ERROR(options_.forward_fault());
     RETURN_IF_ERROR(RunForward(segments));
+    for (const Segment& seg : segments) last_step_tokens_ += seg.end - seg.start;
   }
   for (Segment& seg : segments) {
     Sequence& seq = *seg.seq;

@@ -379,13 +379,20 @@ void Engine::StepOnce() {
     write_back_[1].clear();
     return;
   }
+  int started = 0;
   for (auto& [id, p] : running_) {
     if (p->started || !runner_->Started(id)) continue;
+    ++started;
     p->started = true;
     p->step_start = t0;
     p->first_token = t1;
     p->recompute_s = Seconds(t1 - t0);
     ReleaseDecision(*p);  // prefill done: from now on the reported load counts it
+  }
+  // Prefill throughput for the fetch-or-recompute choice: the step's tokens over its
+  // time (one request's tokens over a step shared with others read N times too slow).
+  if (started > 0 && t1 > t0) {
+    Ewma(recompute_tokens_per_s_, static_cast<double>(runner_->last_step_tokens()) / Seconds(t1 - t0));
   }
   // Write-through before answering: once Generate returns, the request's full blocks
   // (and checkpoints) are in the pool, so a request sent elsewhere next can fetch them.
@@ -427,9 +434,6 @@ void Engine::Respond(Pending& p, absl::StatusOr<model::GenerateResult> r) {
   m_hits_pool_->Increment(static_cast<double>(pool_tokens));
   m_fetched_->Increment(static_cast<double>(pool_tokens));
   m_recomputed_->Increment(static_cast<double>(r->recomputed_tokens));
-  if (r->recomputed_tokens > 0 && p.recompute_s > 0) {
-    Ewma(recompute_tokens_per_s_, static_cast<double>(r->recomputed_tokens + r->replayed_tokens) / p.recompute_s);
-  }
   {
     absl::MutexLock l(&mu_);
     stats_.set_prefix_queries_tokens(stats_.prefix_queries_tokens() + static_cast<uint64_t>(r->prompt_tokens));

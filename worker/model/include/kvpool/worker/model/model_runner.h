@@ -165,6 +165,10 @@ class ModelRunner {
   // sequence finishes with that error, and later calls (Step, AddSequence, export,
   // import) return FAILED_PRECONDITION.
   absl::StatusOr<std::vector<SequenceId>> Step();
+  // Tokens the last Step's batched forward pass computed: prompt (and, hybrid, replayed)
+  // tokens of the sequences it admitted plus one per decoding sequence. The engine's
+  // measure of prefill throughput is this over the step's time.
+  int64_t last_step_tokens() const { return last_step_tokens_; }
   // Sequences queued or running.
   int NumUnfinished() const;
   int NumWaiting() const;  // queued, not admitted yet
@@ -251,6 +255,7 @@ class ModelRunner {
   std::vector<float> kda_scratch_;   // [num_state_slots_][kda_layers][heads][d_k][d_v]
   int64_t reserved_pages_ = 0;  // sum of reserved_pages of the running sequences
   absl::Status broken_;  // the error of the step that failed; OK while usable
+  int64_t last_step_tokens_ = 0;
   SequenceId next_id_ = 1;
   uint64_t next_import_id_ = 1;
 };
