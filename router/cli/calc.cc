@@ -1,5 +1,7 @@
 // kvctl calc: the cost-model calculators (kv footprint, paging utilization, TTFT).
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <iomanip>
 #include <memory>
 #include <optional>
@@ -79,6 +81,13 @@ void RunKv(const KvArgs& a, Io& io) {
   j["fixed_state_bytes_per_request"] = spec->FixedStateBytes();
   j["block_bytes"] = spec->BlockBytes();
   if (a.context > 0) {
+    // Bytes past 2^63 overflowed into a negative footprint.
+    if (a.context > (INT64_MAX - spec->FixedStateBytes()) / std::max<int64_t>(1, spec->KvBytesPerToken())) {
+      Fail(io, absl::InvalidArgumentError(absl::StrCat(
+                   "--context=", a.context, " tokens of ", spec->name, " would take more than 2^63 bytes; give a "
+                   "context length a model can have")));
+      return;
+    }
     j["context_tokens"] = a.context;
     j["footprint_bytes"] = spec->KvBytesPerToken() * a.context + spec->FixedStateBytes();
   }
@@ -295,8 +304,8 @@ void AddCalcCommands(CLI::App& app, Io& io) {
 
   auto util = std::make_shared<UtilArgs>();
   CLI::App* uc = calc->add_subcommand("util", "Utilization of contiguous reservations vs paging");
-  uc->add_option("--max-len", util->max_len, "Maximum sequence length R, tokens")
-      ->required()->check(CLI::PositiveNumber);
+  uc->add_option("--max-len", util->max_len, "Maximum sequence length R, tokens (at most 2^40)")
+      ->required()->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
   uc->add_option("--mean-len", util->mean_len, "Mean sequence length D (default: uniform in [1, R])")
       ->check(CLI::PositiveNumber);
   uc->add_option("--page-size", util->page_size, "Tokens per page b")->check(CLI::PositiveNumber);

@@ -63,7 +63,7 @@ absl::StatusOr<TraceRequest> ParseTraceLine(absl::string_view line, int64_t line
   json j;
   try {
     j = json::parse(line.begin(), line.end());
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for 1e999
     return Bad(absl::StrCat("not valid JSON (", e.what(), ")"));
   }
   if (!j.is_object()) return Bad("not a JSON object; each line must be one request {\"timestamp\": ...}");

@@ -94,6 +94,9 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{{"calc", "kv", "--model", "llama-3.3-70b", "--kv-dtype", "int3"}, "--kv-dtype"},
         BadCase{{"calc", "kv", "--model", "llama-3.3-70b", "--context", "-5"}, "--context"},
         BadCase{{"calc", "kv", "--model", "llama-3.3-70b", "--context", "many"}, "--context"},
+        // 327,680 B x 1e14 overflowed int64 into a negative footprint.
+        BadCase{{"calc", "kv", "--model", "llama-3.3-70b", "--context", "100000000000000"}, "--context"},
+        BadCase{{"calc", "util", "--max-len", "4611686018427387904", "--page-size", "1"}, "--max-len"},
         BadCase{{"calc", "util", "--max-len", "-1"}, "--max-len"},
         BadCase{{"calc", "util", "--max-len", "abc"}, "--max-len"},
         BadCase{{"calc", "util", "--max-len", "100", "--mean-len", "200"}, "--mean-len"},

@@ -68,6 +68,10 @@ INSTANTIATE_TEST_SUITE_P(
     Lines, MalformedLine,
     ::testing::Values(
         BadLine{"{not json", "not valid JSON"},
+        // A number beyond double: nlohmann throws out_of_range, not parse_error (it ended
+        // the whole load instead of this line).
+        BadLine{"{\"timestamp\": 1e999, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [5]}",
+                "not valid JSON"},
         BadLine{"[1, 2]", "not a JSON object"},
         BadLine{"{\"input_length\": 10, \"output_length\": 1, \"hash_ids\": [5]}", "missing field timestamp"},
         BadLine{"{\"timestamp\": -1, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [5]}",
