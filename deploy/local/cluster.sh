@@ -75,6 +75,9 @@ fi
 if ! [[ "$WORKERS" =~ ^[0-9]+$ ]] || (( WORKERS > 10 )); then die "--workers=$WORKERS: use 0..10"; fi
 if ! [[ "$POOL_NODES" =~ ^[0-9]+$ ]] || (( POOL_NODES > 10 )); then die "--pool-nodes=$POOL_NODES: use 0..10"; fi
 [[ "$METRICS_BASE" =~ ^-?[0-9]+$ ]] || die "--metrics-base=$METRICS_BASE: use a port, or -1 for off"
+if ! [[ "$WAIT_S" =~ ^[0-9]+$ ]] || (( WAIT_S < 1 || WAIT_S > 3600 )); then
+  die "--wait=$WAIT_S: use whole seconds, 1..3600"
+fi
 if [[ -z "$PAGE_BYTES" ]]; then
   [[ "$MODEL" == tiny-gqa ]] && PAGE_BYTES=32768 || PAGE_BYTES=65536
 fi
@@ -232,6 +235,9 @@ do_start() {
   local ports=("$BASE_PORT") i
   for ((i = 0; i < POOL_NODES; i++)); do ports+=($((BASE_PORT + 10 + i))); done
   for ((i = 0; i < WORKERS; i++)); do ports+=($((BASE_PORT + 20 + i))); done
+  if (( METRICS_BASE >= 0 )); then
+    for ((i = 0; i < 1 + POOL_NODES + WORKERS; i++)); do ports+=($(metrics_port "$i")); done
+  fi
   for p in "${ports[@]}"; do
     port_free "$p" || die "port $p on $HOST is in use; pick other ports with --base-port or KVPOOL_BASE_PORT"
   done
@@ -241,6 +247,10 @@ do_start() {
   # the background of a non-interactive shell, which ignores SIGINT for them, so nobody
   # else would.
   trap 'echo "cluster.sh: interrupted; stopping what was started" >&2; do_stop >&2; exit 130' INT TERM
+  # Any other exit before the cluster is up (an unexpected error under set -e) stops what
+  # was started too; fail_start and the trap above have stopped it already.
+  trap 'rc=$?; if (( rc != 0 )) && compgen -G "$RUN_DIR/*.pid" > /dev/null; then
+          echo "cluster.sh: start failed (exit $rc); stopping what was started" >&2; do_stop >&2; fi' EXIT
 
   # The router's cost model must know these workers are CPUs computing tiny models
   # (~1e10 FLOP/s effective, attention included), not 400 TFLOP/s GPUs; otherwise it
@@ -275,7 +285,7 @@ do_start() {
     launch "$name" "$addr" "$WORKER_BIN" "${args[@]}"
   done
   for ((i = 0; i < WORKERS; i++)); do wait_healthy "worker-$i" "$HOST:$((BASE_PORT + 20 + i))"; done
-  trap - INT TERM
+  trap - INT TERM EXIT
   echo "cluster up: router $ROUTER_ADDR, ${POOL_NODES} pool node(s), ${WORKERS} worker(s)"
   echo "  $KVCTL status --router $ROUTER_ADDR"
   echo "  $0 stop --dir $RUN_DIR"

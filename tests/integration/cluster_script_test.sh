@@ -117,7 +117,24 @@ check_interrupted_start() {
   echo "ok: interrupted start"
 }
 
+# Bad flag values are refused before anything starts, naming the flag (a --wait of 1.5
+# used to end the script in the middle of starting, with the router left running).
+check_bad_flags() {
+  local base out
+  base="$(pick_base)" || fail "no free base port"
+  for wait in 1.5 abc 0; do
+    if out="$(bash "$CLUSTER" start --dir "$RUN_DIR" --bin-dir "$BIN" --base-port "$base" --workers 0 \
+        --wait "$wait" 2>&1)"; then
+      fail "start --wait $wait succeeded"
+    fi
+    grep -q -- "--wait=$wait" <<<"$out" || fail "no message naming --wait for $wait: $out"
+    ! compgen -G "$RUN_DIR/*.pid" >/dev/null || fail "start --wait $wait left pid files: $(ls "$RUN_DIR"/*.pid)"
+  done
+  echo "ok: bad flags"
+}
+
 check 0
+check_bad_flags
 check_interrupted_start
 if [[ ! -x "$WORKER_BIN" ]]; then
   echo "SKIP: $WORKER_BIN is not built; only router + pool nodes were checked"

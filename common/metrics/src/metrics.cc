@@ -168,6 +168,12 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   s->impl_->server.Get("/healthz", [](const httplib::Request&, httplib::Response& res) {
     res.set_content("ok\n", "text/plain");
   });
+  // httplib's default sets SO_REUSEPORT too, which let a second server (another cluster's
+  // process of this user) bind the same port and take half the scrapes: SO_REUSEADDR only.
+  s->impl_->server.set_socket_options([](socket_t sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, reinterpret_cast<const void*>(&yes), sizeof(yes));
+  });
   int bound = port == 0 ? s->impl_->server.bind_to_any_port(host)
                         : (s->impl_->server.bind_to_port(host, port) ? port : -1);
   if (bound < 0) {

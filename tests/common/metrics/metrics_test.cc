@@ -49,6 +49,18 @@ TEST(MetricsHttpServerTest, ServesMetricsOverHttp) {
   EXPECT_EQ(client.Get("/healthz")->body, "ok\n");
 }
 
+// A second server on a port one already serves is refused (httplib's SO_REUSEPORT let it
+// bind, and the two then shared the scrapes), naming the port.
+TEST(MetricsHttpServerTest, PortInUseIsRefused) {
+  MetricsRegistry r;
+  auto first = MetricsHttpServer::Start(&r, "127.0.0.1", 0);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const int port = (*first)->port();
+  auto second = MetricsHttpServer::Start(&r, "127.0.0.1", port);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable) << second.status();
+  EXPECT_NE(second.status().message().find(std::to_string(port)), absl::string_view::npos) << second.status();
+}
+
 TEST(MetricsHttpServerTest, RejectsBadPort) {
   MetricsRegistry r;
   EXPECT_EQ(MetricsHttpServer::Start(&r, "127.0.0.1", 70000).status().code(),
