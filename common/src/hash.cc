@@ -114,7 +114,7 @@ absl::StatusOr<BlockHasher> BlockHasher::Create(HashOptions options) {
 
 BlockHash BlockHasher::Root(absl::string_view tenant_salt) const {
   ByteWriter w;
-  w.PutString("kvpool/v1");
+  w.PutString("kvpool/v2");
   w.PutString(options_.model_id);
   w.PutString(tenant_salt);
   return w.Hash(options_.cluster_secret);
@@ -125,6 +125,10 @@ BlockHash BlockHasher::Chain(const BlockHash& parent, std::span<const TokenId> t
   ByteWriter w;
   w.Put(parent.lo);
   w.Put(parent.hi);
+  // Length-prefixed like every other field: without it, the same bytes were a block of
+  // b tokens with no extra key and one of b - 2 tokens with one extra key (hashers of two
+  // block sizes, or extra keys that look like tokens), i.e. one hash for two prefixes.
+  w.Put(static_cast<uint64_t>(tokens.size()));
   w.PutSpan(tokens);
   w.Put(static_cast<uint64_t>(extra_keys.size()));
   w.PutSpan(extra_keys);

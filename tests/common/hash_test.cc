@@ -89,9 +89,22 @@ TEST(BlockHasherTest, ValuesAreStable) {
   BlockHasher h = MakeHasher(16, "tiny-gqa");
   auto hashes = h.HashPrefix(Iota(32));
   ASSERT_EQ(hashes.size(), 2u);
-  EXPECT_EQ(h.Root().ToHex(), "480fecb2ce12774a23d61617da836b69");
-  EXPECT_EQ(hashes[0].ToHex(), "5800e936841e2e3c6d99c4247461a9e3");
-  EXPECT_EQ(hashes[1].ToHex(), "4fd0e0535d3089468088c05a330c9232");
+  // v2 (token counts in the encoding) since 2026-12-01.
+  EXPECT_EQ(h.Root().ToHex(), "2da1dbdfe972c7da438b9656d82025c9");
+  EXPECT_EQ(hashes[0].ToHex(), "a997d1b5ac361b168a5a19d4bca42424");
+  EXPECT_EQ(hashes[1].ToHex(), "e35915863cf7fed5813143c8c385bad2");
+}
+
+// Blocks of different sizes and extra keys never share an encoding: b = 10 tokens
+// [t1..t8, 1, 0] with no extra key and b = 8 tokens [t1..t8] with extra_keys = {0} wrote
+// the same bytes (the token run had no length), hence the same hash.
+TEST(BlockHasherTest, TokenRunsAreLengthPrefixed) {
+  BlockHasher ten = MakeHasher(10, "m"), eight = MakeHasher(8, "m");
+  std::vector<TokenId> a = Iota(8), b = Iota(8);
+  a.push_back(1);
+  a.push_back(0);
+  const uint64_t zero = 0;
+  EXPECT_NE(ten.HashPrefix(a)[0], eight.HashPrefix(b, "", {&zero, 1})[0]);
 }
 
 TEST(BlockHasherTest, NoCollisionsOverManyBlocks) {

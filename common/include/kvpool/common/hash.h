@@ -3,8 +3,14 @@
 // KV is a pure function of the prefix tokens, so a block is named by a hash of every
 // token before and in it. kvpool hashes block by block, chaining:
 //
-//   h_0 = XXH3-128( "kvpool/v1" | model id | tenant salt , seed = cluster secret )
-//   h_i = XXH3-128( h_{i-1} | tokens of block i | extra keys , seed = cluster secret )
+//   h_0 = XXH3-128( "kvpool/v2" | model id | tenant salt , seed = cluster secret )
+//   h_i = XXH3-128( h_{i-1} | token count | tokens of block i | extra key count | extra keys ,
+//                   seed = cluster secret )
+//
+// Every variable-length field is length-prefixed, so no two inputs share an encoding
+// (v1 wrote the tokens without their count: a block of b tokens and one of b - 2 tokens
+// plus an extra key could hash alike). v2 names the encoding: v1 hashes (e.g. in an
+// older node's NVMe journal) are never matched, only missed.
 //
 //   tokens:  [t0 .. t15][t16 .. t31][t32 .. t40]
 //   hashes:     h_1        h_2        (none: a partial block has no hash)
