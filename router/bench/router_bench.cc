@@ -26,6 +26,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "bench.h"
+#include "kvpool/common/hash.h"
 #include "kvpool/common/service_main.h"
 #include "kvpool/router/kv_index.h"
 #include "kvpool/router/router_core.h"
@@ -36,14 +37,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using nlohmann::ordered_json;
 
-uint64_t Mix(uint64_t z) {
-  z += 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-BlockHash IdHash(uint64_t id, uint64_t pass) { return BlockHash{Mix(id * 1315423911ull + pass), Mix(id ^ (pass << 40) ^ 0x5555)}; }
+BlockHash IdHash(uint64_t id, uint64_t pass) { return BlockHash{Mix64(id * 1315423911ull + pass), Mix64(id ^ (pass << 40) ^ 0x5555)}; }
 
 std::vector<std::vector<uint64_t>> LoadTrace(const std::string& path) {
   std::ifstream in(path);
@@ -90,7 +84,7 @@ ordered_json IndexThroughput(const std::vector<std::vector<uint64_t>>& trace, in
       for (uint64_t id : ids) pool.push_back(IdHash(id, static_cast<uint64_t>(pass)));
       const uint32_t n = static_cast<uint32_t>(ids.size());
       // Prefix affinity: the first block picks the instance (a stand-in for a policy).
-      const SourceSlot slot = static_cast<SourceSlot>(Mix(ids[0] + static_cast<uint64_t>(pass)) % kInstances);
+      const SourceSlot slot = static_cast<SourceSlot>(Mix64(ids[0] + static_cast<uint64_t>(pass)) % kInstances);
       ops.push_back(Op{Op::kLookup, slot, base, n, {}});
       Lru& c = caches[slot];
       // Stored events for each run of blocks the instance lacked.

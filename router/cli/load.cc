@@ -35,6 +35,7 @@
 #include "absl/strings/str_cat.h"
 #include "format.h"
 #include "kvctl.h"
+#include "kvpool/common/hash.h"
 #include "kvpool/common/model_spec.h"
 #include "kvpool/router/router_client.h"
 #include "kvpool/v1/router.grpc.pb.h"
@@ -143,6 +144,9 @@ void RunLoad(LoadArgs a, Io& io) {
   }
 
   // Prompts: shared prefix, then a tail unique to the prompt; ids kept inside the vocabulary.
+  // The tail's ids are a mix of (prompt, position): an affine id like (r + 1) * 1000003
+  // repeated every `vocab` prompts (512 for tiny-*), so --prompts 1024 held 512 distinct
+  // prompts and the hit rate came out high.
   const uint64_t vocab = static_cast<uint64_t>(std::max(2, spec->vocab_size));
   std::vector<v1::RouteRequest> reqs(static_cast<size_t>(a.prompts));
   for (size_t r = 0; r < reqs.size(); ++r) {
@@ -151,7 +155,7 @@ void RunLoad(LoadArgs a, Io& io) {
     toks->Reserve(static_cast<int>(a.prompt_tokens));
     for (int64_t t = 0; t < a.prompt_tokens; ++t) {
       const uint64_t id = t < a.shared_prefix_tokens ? static_cast<uint64_t>(t) * 7919
-                                                      : (r + 1) * 1'000'003ull + static_cast<uint64_t>(t) * 31;
+                                                      : Mix64((static_cast<uint64_t>(r) << 32) ^ static_cast<uint64_t>(t));
       toks->Add(static_cast<uint32_t>(id % vocab));
     }
   }

@@ -9,6 +9,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
+#include "kvpool/common/hash.h"
 #include "nlohmann/json.hpp"
 
 namespace kvpool::trace {
@@ -46,13 +47,6 @@ bool AsCount(const json& v, int64_t* out) {
     return true;
   }
   return false;
-}
-
-uint64_t Mix64(uint64_t x) {  // splitmix64's finalizer
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 // sources (slots spanning more than one 64-bit mask word), with gaps, duplicates and
 // full dumps (whole, or in parts as RouterHost applies a large one); every lookup, count,
 // sequence and dump must agree.
+#include "kvpool/common/hash.h"
 #include "kvpool/router/kv_index.h"
 
 #include <algorithm>
@@ -14,15 +15,7 @@
 namespace kvpool::router {
 namespace {
 
-BlockHash H(uint64_t x) {
-  auto mix = [](uint64_t z) {
-    z += 0x9e3779b97f4a7c15ull;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  };
-  return BlockHash{mix(x), mix(x ^ 0xabcdefull)};
-}
+BlockHash H(uint64_t x) { return BlockHash{Mix64(x), Mix64(x ^ 0xabcdefull)}; }
 
 // What a router should know: per source, (hash -> tier bits), the sequence and staleness.
 struct RefSource {

@@ -57,10 +57,9 @@ void Hash(std::vector<std::byte>& buf, const std::vector<float>& v) {
 }  // namespace
 
 uint64_t SplitMix64::Next() {
-  uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
+  const uint64_t x = state_;
+  state_ += 0x9E3779B97F4A7C15ull;
+  return Mix64(x);
 }
 
 float SplitMix64::Uniform(float lo, float hi) {

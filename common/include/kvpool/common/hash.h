@@ -114,6 +114,15 @@ uint64_t Checksum64(std::span<const std::byte> bytes);
 // XXH3-128 of a byte range (digests, e.g. of a hidden state).
 BlockHash Digest128(std::span<const std::byte> bytes);
 
+// splitmix64's step as a mixing function: Mix64(x) is the output that follows state x.
+// For synthetic ids and test data (not a block identity).
+constexpr uint64_t Mix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
 }  // namespace kvpool
 
 template <>
