@@ -111,6 +111,14 @@ TEST_P(GqaTest, DecodeLongContextSplitsAndMerges) {
   // 2049: three splits, the last of one token; 1024: exactly one split.
   RunDecode(be_.get(), DType::kBf16, 16, {128, 8, 2}, {2049, 1024, 5}, 99, &worst);
   EXPECT_LE(worst, 1.0);
+  // Groups of 20 q heads (two head tiles of 16 on the GPU, the second partial), and a
+  // long sequence beside an empty one on pages of one token (many pages per split).
+  worst = 0;
+  RunDecode(be_.get(), DType::kBf16, 16, {128, 40, 2}, {0, 1, 1025}, 100, &worst);
+  EXPECT_LE(worst, 1.0) << "q=40 kv=2";
+  worst = 0;
+  RunDecode(be_.get(), DType::kBf16, 1, {64, 4, 2}, {0, 2049}, 101, &worst);
+  EXPECT_LE(worst, 1.0) << "page=1, lens {0, 2049}";
 }
 
 TEST_P(GqaTest, DecodeIsBitwiseReproducible) {
