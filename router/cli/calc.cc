@@ -307,7 +307,7 @@ void AddCalcCommands(CLI::App& app, Io& io) {
   uc->add_option("--max-len", util->max_len, "Maximum sequence length R, tokens (at most 2^40)")
       ->required()->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
   uc->add_option("--mean-len", util->mean_len, "Mean sequence length D (default: uniform in [1, R])")
-      ->check(CLI::PositiveNumber);
+      ->check(FiniteNumber())->check(CLI::PositiveNumber);
   uc->add_option("--page-size", util->page_size, "Tokens per page b")->check(CLI::PositiveNumber);
   uc->add_option("--hbm-free", util->hbm_free, "Free HBM for KV, e.g. 40GiB (needs --model)");
   uc->add_option("--model", util->model, "Preset name or JSON spec (for --hbm-free)");
@@ -320,10 +320,10 @@ void AddCalcCommands(CLI::App& app, Io& io) {
   tc->add_option("--model", ttft->model, "Preset name or JSON spec")->required();
   tc->add_option("--context", ttft->context, "Prompt length L, tokens")
       ->required()->check(CLI::PositiveNumber);
-  tc->add_option("--hit", ttft->hit, "Hit rate h in [0, 1]")->required()->check(CLI::Range(0.0, 1.0));
+  tc->add_option("--hit", ttft->hit, "Hit rate h in [0, 1]")->required()->check(FiniteNumber())->check(CLI::Range(0.0, 1.0));
   tc->add_option("--tier", ttft->tier, "Where the hit comes from: hbm, dram, rdma, nvme")
       ->check(CLI::IsMember({"hbm", "dram", "rdma", "nvme"}));
-  tc->add_option("--queue", ttft->queue, "Queueing delay, seconds")->check(CLI::NonNegativeNumber);
+  tc->add_option("--queue", ttft->queue, "Queueing delay, seconds")->check(FiniteNumber())->check(CLI::NonNegativeNumber);
   tc->add_option("--flops", ttft->flops, "Achieved FLOP/s (default 400T)");
   tc->add_option("--bandwidth", ttft->bandwidth, "Tier bandwidth, e.g. 64GB/s (default per tier)");
   tc->add_option("--kv-dtype", ttft->kv_dtype, "Override the cache dtype");

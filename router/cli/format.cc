@@ -1,10 +1,26 @@
 #include "format.h"
 
+#include <CLI/CLI.hpp>
+
 #include <algorithm>
+#include <cmath>
+#include <cstdlib>
 #include <iomanip>
 #include <sstream>
 
 namespace kvpool::kvctl {
+
+const CLI::Validator& FiniteNumber() {
+  static const CLI::Validator check(
+      [](std::string& v) -> std::string {
+        char* end = nullptr;
+        const double d = std::strtod(v.c_str(), &end);
+        if (end == v.c_str() || *end != '\0') return "";  // not a number: the option's own parse says so
+        return std::isfinite(d) ? "" : "Value " + v + " is not a finite number";
+      },
+      "FINITE", "finite");
+  return check;
+}
 
 std::string Fixed(double v, int digits) {
   std::ostringstream s;

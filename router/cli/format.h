@@ -8,7 +8,16 @@
 #include <utility>
 #include <vector>
 
+namespace CLI {
+class Validator;
+}
+
 namespace kvpool::kvctl {
+
+// A CLI11 check that the value is a finite number: CLI11's PositiveNumber, Range and
+// NonNegativeNumber let nan (and inf) through, e.g. `replay --max-duration nan` never
+// stopped. Chain it before those: ->check(FiniteNumber())->check(CLI::Range(...)).
+const CLI::Validator& FiniteNumber();
 
 // `v` with `digits` digits after the point: Fixed(2.8959, 3) == "2.896".
 std::string Fixed(double v, int digits);

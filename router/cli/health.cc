@@ -8,6 +8,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "format.h"
 #include "kvctl.h"
 
 namespace kvpool::kvctl {
@@ -62,7 +63,7 @@ void AddHealthCommands(CLI::App& app, Io& io) {
   h->add_option("--addr", args->addr, "Server address host:port")->required();
   h->add_option("--service", args->service, "Service name (default: the whole server)");
   h->add_option("--wait", args->wait_s, "Keep trying for this many seconds until SERVING (at most 86400)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(FiniteNumber())->check(CLI::NonNegativeNumber);
   h->callback([args, &io] { RunHealth(*args, io); });
 }
 

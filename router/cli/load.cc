@@ -330,8 +330,9 @@ void AddLoadCommands(CLI::App& app, Io& io) {
   CLI::App* load = app.add_subcommand(
       "load", "open-loop Route load on a loopback/private kvpool-router: rate, latency p50/p90/p99/max, errors");
   load->add_option("--router", args->router, "router address host:port (loopback or private)")->required();
-  load->add_option("--rate", args->rate, "requests per second (mean for poisson)")->capture_default_str();
-  load->add_option("--duration", args->duration_s, "seconds of arrivals")->capture_default_str();
+  load->add_option("--rate", args->rate, "requests per second (mean for poisson)")
+      ->check(FiniteNumber())->capture_default_str();
+  load->add_option("--duration", args->duration_s, "seconds of arrivals")->check(FiniteNumber())->capture_default_str();
   load->add_option("--concurrency", args->concurrency, "client connections the requests are spread over")
       ->capture_default_str();
   load->add_option("--model", args->model, "model name")->capture_default_str();
@@ -342,7 +343,8 @@ void AddLoadCommands(CLI::App& app, Io& io) {
       ->capture_default_str();
   load->add_option("--arrivals", args->arrivals, "poisson or fixed (fixed interval)")->capture_default_str();
   load->add_option("--seed", args->seed, "seed of the poisson schedule")->capture_default_str();
-  load->add_option("--timeout", args->timeout_s, "per-request deadline, seconds")->capture_default_str();
+  load->add_option("--timeout", args->timeout_s, "per-request deadline, seconds")
+      ->check(FiniteNumber())->capture_default_str();
   load->add_option("--sim-instances", args->sim_instances,
                    "register this many simulated instances (approximate mode) and heartbeat them during the run")
       ->capture_default_str();

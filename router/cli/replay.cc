@@ -394,11 +394,12 @@ void AddReplayCommands(CLI::App& app, Io& io) {
   c->add_option("--trace", a->trace, "Mooncake JSONL trace")->required();
   c->add_option("--router", a->router, "Router address host:port (loopback or private)")->required();
   c->add_option("--model", a->model, "Model the cluster serves (default tiny-gqa)");
-  c->add_option("--speed", a->speed, "Arrival-time speedup: 2 = twice as fast (default 1)")->check(CLI::PositiveNumber);
+  c->add_option("--speed", a->speed, "Arrival-time speedup: 2 = twice as fast (default 1)")
+      ->check(FiniteNumber())->check(CLI::PositiveNumber);
   c->add_option("--limit", a->limit, "Requests to send, at most (default 1000)")->check(CLI::Range(1, 1000000));
   c->add_option("--concurrency", a->concurrency, "Requests in flight at most (default 8)")->check(CLI::Range(1, 1024));
   c->add_option("--max-duration", a->max_duration_s, "Stop sending after this many seconds (default 600)")
-      ->check(CLI::Range(0.1, 86400.0));
+      ->check(FiniteNumber())->check(CLI::Range(0.1, 86400.0));
   c->add_option("--max-prompt-tokens", a->max_prompt_tokens, "Truncate prompts to this many tokens (0 = as traced)")
       ->check(CLI::NonNegativeNumber);
   c->add_option("--max-new-tokens", a->max_new_tokens, "Cap on generated tokens per request (default 16)")
@@ -406,7 +407,7 @@ void AddReplayCommands(CLI::App& app, Io& io) {
   c->add_option("--trace-block-tokens", a->trace_block_tokens, "Tokens per trace hash id (default 512, at most 2^20)")
       ->check(CLI::Range(int64_t{1}, trace::kMaxTraceBlockTokens));
   c->add_option("--progress-interval", a->progress_interval_s, "Seconds between progress lines off a terminal")
-      ->check(CLI::PositiveNumber);
+      ->check(FiniteNumber())->check(CLI::PositiveNumber);
   c->add_flag("--strict", a->strict, "Fail on the first bad trace line instead of skipping it");
   c->add_flag("--json", a->json, "Print the summary as JSON");
   c->add_option("--csv", a->csv, "Write a per-request log to this CSV file");

@@ -97,6 +97,11 @@ INSTANTIATE_TEST_SUITE_P(
         // 327,680 B x 1e14 overflowed int64 into a negative footprint.
         BadCase{{"calc", "kv", "--model", "llama-3.3-70b", "--context", "100000000000000"}, "--context"},
         BadCase{{"calc", "util", "--max-len", "4611686018427387904", "--page-size", "1"}, "--max-len"},
+        // CLI11's ranges let nan through.
+        BadCase{{"calc", "util", "--max-len", "100", "--mean-len", "nan"}, "--mean-len"},
+        BadCase{{"calc", "ttft", "--model", "llama-3.3-70b", "--context", "10", "--hit", "nan"}, "--hit"},
+        BadCase{{"replay", "--trace", "x.jsonl", "--max-duration", "nan"}, "--max-duration"},
+        BadCase{{"health", "--addr", "127.0.0.1:1", "--wait", "inf"}, "--wait"},
         BadCase{{"calc", "util", "--max-len", "-1"}, "--max-len"},
         BadCase{{"calc", "util", "--max-len", "abc"}, "--max-len"},
         BadCase{{"calc", "util", "--max-len", "100", "--mean-len", "200"}, "--mean-len"},
