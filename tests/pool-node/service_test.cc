@@ -27,6 +27,15 @@ using testing::Pattern;
 constexpr uint64_t kNodePage = 64 << 10;
 constexpr uint64_t kLocalPage = 32 << 10;  // differs from the node's on purpose
 
+// Appends an ATTN_KV entry (no parent) to a raw Reserve request.
+v1::ReserveEntry* AddKvEntry(v1::ReserveRequest& req, BlockHash h, uint64_t length) {
+  v1::ReserveEntry* e = req.add_entries();
+  e->set_block_hash(h.ToBytes());
+  e->set_kind(v1::STATE_KIND_ATTN_KV);
+  e->set_length(length);
+  return e;
+}
+
 // A real gRPC router endpoint that records what the node publishes.
 class RecordingRouter final : public v1::Router::Service {
  public:
@@ -378,10 +387,7 @@ TEST_F(ServiceTest, WireErrorsNameFieldsAndCodes) {
 
   grpc::ClientContext c2;
   v1::ReserveRequest rreq;
-  auto* e = rreq.add_entries();
-  e->set_block_hash(H(1).ToBytes());
-  e->set_kind(v1::STATE_KIND_ATTN_KV);
-  e->set_length(65 * kNodePage);  // more than the whole DRAM tier
+  auto* e = AddKvEntry(rreq, H(1), 65 * kNodePage);  // more than the whole DRAM tier
   v1::ReserveResponse rresp;
   s = stub_->Reserve(&c2, rreq, &rresp);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
@@ -396,12 +402,7 @@ TEST_F(ServiceTest, WireErrorsNameFieldsAndCodes) {
   // A malformed hash is named by its entry and field, in Reserve and in Commit.
   {
     v1::ReserveRequest bad;
-    for (int i = 0; i < 3; ++i) {
-      auto* be = bad.add_entries();
-      be->set_block_hash(H(200 + i).ToBytes());
-      be->set_kind(v1::STATE_KIND_ATTN_KV);
-      be->set_length(1000);
-    }
+    for (int i = 0; i < 3; ++i) AddKvEntry(bad, H(200 + i), 1000);
     bad.mutable_entries(1)->set_block_hash("short");
     grpc::ClientContext cb1;
     s = stub_->Reserve(&cb1, bad, &rresp);
@@ -489,12 +490,7 @@ TEST_F(ServiceTest, WireErrorsNameFieldsAndCodes) {
 TEST_F(ServiceTest, FinalCommitSentFirstWaitsForThePartialOneItCounts) {
   grpc::ClientContext c1;
   v1::ReserveRequest rreq;
-  for (int i = 0; i < 2; ++i) {
-    auto* e = rreq.add_entries();
-    e->set_block_hash(H(40 + i).ToBytes());
-    e->set_kind(v1::STATE_KIND_ATTN_KV);
-    e->set_length(1000);
-  }
+  for (int i = 0; i < 2; ++i) AddKvEntry(rreq, H(40 + i), 1000);
   v1::ReserveResponse rresp;
   ASSERT_TRUE(stub_->Reserve(&c1, rreq, &rresp).ok());
   auto commit = [&](int block, bool partial, uint32_t commits) {
@@ -647,10 +643,7 @@ TEST_F(ServiceTest, CorruptedPieceOfAPipelinedPutIsDroppedAndItsPagesFreed) {
     grpc::ClientContext ctx;
     v1::ReserveRequest req;
     req.set_client_id("raw");
-    auto* e = req.add_entries();
-    e->set_block_hash(h.ToBytes());
-    e->set_kind(v1::STATE_KIND_ATTN_KV);
-    e->set_length(length);
+    AddKvEntry(req, h, length);
     v1::ReserveResponse resp;
     EXPECT_TRUE(stub_->Reserve(&ctx, req, &resp).ok());
     return resp;

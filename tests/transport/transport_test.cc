@@ -643,10 +643,21 @@ class RawAmPeer {
 TEST_P(TransportTest, RepliesCountOnlyFromTheBatchsPeerAndOncePerMessage) {
   if (std::string(GetParam().tls) != "tcp") GTEST_SKIP() << "the raw UCX test peer connects over tcp; this mode's workers have shared memory only";
   RawAmPeer peer;
-  auto conn = client_->Connect(peer.address(), "raw");
-  ASSERT_TRUE(conn.ok()) << conn.status();
-  std::shared_ptr<Endpoint> ep = *conn;
-  ASSERT_TRUE(ep->ImportArena(remote_).ok());
+  // Each case on an endpoint of its own to the raw peer, with no request recorded yet.
+  auto fresh_endpoint = [&](const char* name) -> std::shared_ptr<Endpoint> {
+    auto conn = client_->Connect(peer.address(), name);
+    EXPECT_TRUE(conn.ok()) << conn.status();
+    if (!conn.ok() || !(*conn)->ImportArena(remote_).ok()) return nullptr;
+    peer.requests_.clear();
+    return *conn;
+  };
+  // Progresses the peer until it has recorded exactly one request.
+  auto one_request = [&] {
+    for (int i = 0; i < 2000 && peer.requests_.empty(); ++i) peer.Progress(absl::Milliseconds(1));
+    return peer.requests_.size() == 1;
+  };
+  std::shared_ptr<Endpoint> ep = fresh_endpoint("raw");
+  ASSERT_NE(ep, nullptr);
   ASSERT_EQ(ep->protocol(), Protocol::kActiveMessage);
 
   // 1. A reply from another peer (a forger that guessed the batch id) is ignored. (Another
@@ -656,8 +667,7 @@ TEST_P(TransportTest, RepliesCountOnlyFromTheBatchsPeerAndOncePerMessage) {
   std::future<absl::Status> f1 = p1.get_future();
   ASSERT_TRUE(ep->GetAsync({{Local({0}), Remote({0, 1})}},
                            [&](absl::Status s) { p1.set_value(std::move(s)); }).ok());
-  for (int i = 0; i < 2000 && peer.requests_.empty(); ++i) peer.Progress(absl::Milliseconds(1));
-  ASSERT_EQ(peer.requests_.size(), 1u);
+  ASSERT_TRUE(one_request());
   const AmHeader req = peer.requests_[0].second;
   RawAmPeer forger;
   forger.Reply(forger.Connect(client_->address()), req.batch_id, req.part,
@@ -667,11 +677,8 @@ TEST_P(TransportTest, RepliesCountOnlyFromTheBatchsPeerAndOncePerMessage) {
   EXPECT_EQ(std::count(client_mem_.begin(), client_mem_.begin() + kClientPage, std::byte{0x5A}), 0);
 
   // 2. A duplicate reply from the right endpoint does not stand in for another message.
-  auto conn2 = client_->Connect(peer.address(), "raw2");
-  ASSERT_TRUE(conn2.ok()) << conn2.status();
-  ep = *conn2;
-  ASSERT_TRUE(ep->ImportArena(remote_).ok());
-  peer.requests_.clear();
+  ep = fresh_endpoint("raw2");
+  ASSERT_NE(ep, nullptr);
   std::promise<absl::Status> p2;
   std::future<absl::Status> f2 = p2.get_future();
   // Two 64 KiB segments (local pages 0-7 and 8-15, remote 0-15 and 32-47): two messages,
@@ -683,8 +690,7 @@ TEST_P(TransportTest, RepliesCountOnlyFromTheBatchsPeerAndOncePerMessage) {
   std::iota(r1.begin(), r1.end(), 32);
   ASSERT_TRUE(ep->GetAsync({{Local(l0), Remote(r0)}, {Local(l1), Remote(r1)}},
                            [&](absl::Status s) { p2.set_value(std::move(s)); }).ok());
-  for (int i = 0; i < 2000 && peer.requests_.empty(); ++i) peer.Progress(absl::Milliseconds(1));
-  ASSERT_EQ(peer.requests_.size(), 1u);
+  ASSERT_TRUE(one_request());
   const auto [reply_ep, h0] = peer.requests_[0];
   ASSERT_EQ(h0.num_parts, 2u);
   for (int i = 0; i < 2; ++i) {
@@ -695,17 +701,13 @@ TEST_P(TransportTest, RepliesCountOnlyFromTheBatchsPeerAndOncePerMessage) {
 
   // 3. A reply of the other direction from the right endpoint does not count: a put ack
   // to a get completed it OK with no byte landed.
-  auto conn3 = client_->Connect(peer.address(), "raw3");
-  ASSERT_TRUE(conn3.ok()) << conn3.status();
-  ep = *conn3;
-  ASSERT_TRUE(ep->ImportArena(remote_).ok());
-  peer.requests_.clear();
+  ep = fresh_endpoint("raw3");
+  ASSERT_NE(ep, nullptr);
   std::promise<absl::Status> p3;
   std::future<absl::Status> f3 = p3.get_future();
   ASSERT_TRUE(ep->GetAsync({{Local({0}), Remote({0, 1})}},
                            [&](absl::Status s) { p3.set_value(std::move(s)); }).ok());
-  for (int i = 0; i < 2000 && peer.requests_.empty(); ++i) peer.Progress(absl::Milliseconds(1));
-  ASSERT_EQ(peer.requests_.size(), 1u);
+  ASSERT_TRUE(one_request());
   const auto [reply_ep3, h3] = peer.requests_[0];
   peer.Reply(reply_ep3, h3.batch_id, h3.part, {}, kAmPutAck);
   s = peer.Await(f3);
