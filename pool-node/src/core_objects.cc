@@ -315,9 +315,25 @@ void PoolCore::Impl::ExpireLocked(int64_t now) {
     EndLease(id);
     ++expired_leases_;
   }
+  while (!dram_quarantine_.empty() && dram_quarantine_.front().first <= now) {
+    alloc_[0]->Free(dram_quarantine_.front().second);
+    dram_quarantined_pages_ -= dram_quarantine_.front().second.size();
+    dram_quarantine_.pop_front();
+  }
   for (auto it = reservations_.begin(); it != reservations_.end();) {
     if (it->second.committing == 0 && it->second.expires_ms <= now) {
-      FreeReservation(it->second);
+      // Not freed yet: a client that missed the deadline may still write into them.
+      std::vector<uint32_t> held;
+      for (ReservedEntry& e : it->second.entries) {
+        if (e.pages.empty()) continue;
+        reserved_by_kind_[KindIndex(e.spec.kind)] -= e.pages.size();
+        held.insert(held.end(), e.pages.begin(), e.pages.end());
+        e.pages.clear();
+      }
+      if (!held.empty()) {
+        dram_quarantined_pages_ += held.size();
+        dram_quarantine_.emplace_back(now + opt_.reserve_timeout_ms, std::move(held));
+      }
       ++reclaimed_;
       reservations_.erase(it++);
     } else {

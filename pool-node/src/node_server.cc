@@ -232,6 +232,9 @@ absl::StatusOr<std::unique_ptr<NodeServer>> NodeServer::Start(NodeConfig config)
     reg->GetGauge("kvpool_pool_nvme_held_back_bytes",
                   "NVMe bytes kept unused after a failed journal write, until the journal is rewritten")
         .Set(st.nvme_held_back_bytes);
+    reg->GetGauge("kvpool_pool_dram_held_back_bytes",
+                  "DRAM bytes of timed-out reservations kept unused for one more reserve timeout")
+        .Set(st.dram_held_back_bytes);
   });
   if (s.cfg.metrics_port >= 0) {
     ASSIGN_OR_RETURN(s.http, MetricsHttpServer::Start(&s.metrics, "0.0.0.0", s.cfg.metrics_port));

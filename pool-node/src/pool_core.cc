@@ -286,6 +286,7 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
   Reservation out;
   out.id = im.next_id_++;
   out.expires_unix_ms = rs.expires_ms;
+  out.ttl_ms = options_.reserve_timeout_ms;
   for (ReservedEntry& re : rs.entries) {
     ReserveSlot slot;
     slot.hash = re.spec.hash;
@@ -676,6 +677,7 @@ PoolStatsSnapshot PoolCore::Stats() const {
   s.pending_reservations = im.reservations_.size();
   s.checksum_failures = im.checksum_failures_;
   s.nvme_held_back_bytes = im.nvme_quarantine_.size() * page_bytes_;
+  s.dram_held_back_bytes = im.dram_quarantined_pages_ * page_bytes_;
   s.demotions = im.demotions_;
   s.promotions = im.promotions_;
   s.reclaimed_reservations = im.reclaimed_;

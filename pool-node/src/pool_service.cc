@@ -46,6 +46,7 @@ void FillStats(const PoolStatsSnapshot& s, v1::PoolStats* out) {
   out->set_expired_leases(s.expired_leases);
   out->set_reserved_bytes(s.reserved_bytes);
   out->set_nvme_held_back_bytes(s.nvme_held_back_bytes);
+  out->set_dram_held_back_bytes(s.dram_held_back_bytes);
 }
 
 namespace {
@@ -267,6 +268,7 @@ grpc::Status PoolNodeService::Reserve(grpc::ServerContext*, const v1::ReserveReq
   if (!r.ok()) return Done(kReserve, r.status());
   resp->set_reservation_id(r->id);
   resp->set_expires_unix_ms(r->expires_unix_ms);
+  resp->set_ttl_ms(r->ttl_ms);
   for (const ReserveSlot& slot : r->slots) {
     v1::ReserveResult* o = resp->add_results();
     o->set_block_hash(slot.hash.ToBytes());

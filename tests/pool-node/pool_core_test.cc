@@ -233,6 +233,16 @@ TEST_F(PoolCoreTest, ZombieReserveIsReclaimedAfterTimeout) {
   EXPECT_EQ(st.reserved_bytes, 0u);
   CommitEntrySpec c{H(1), 0};
   EXPECT_EQ(core->Commit(r->id, {&c, 1}).status().code(), absl::StatusCode::kNotFound);
+  // Its pages stay unused for one more timeout: the late client may still be writing.
+  EXPECT_EQ(st.dram_held_back_bytes, 8 * kPage);
+  EXPECT_EQ(st.tiers[0].used_bytes, 0u);
+  EXPECT_EQ(core->Reserve({&other, 1}).status().code(), absl::StatusCode::kResourceExhausted);
+  clock_.AdvanceMs(999);
+  core->RunMaintenance();
+  EXPECT_EQ(core->Stats().dram_held_back_bytes, 8 * kPage);
+  clock_.AdvanceMs(2);
+  core->RunMaintenance();
+  EXPECT_EQ(core->Stats().dram_held_back_bytes, 0u);
   EXPECT_TRUE(core->Reserve({&other, 1}).ok());
 }
 

@@ -100,6 +100,19 @@ class RecordingRouter final : public v1::Router::Service {
   bool ask_dump_ ABSL_GUARDED_BY(mu_) = false;
 };
 
+// A UCX worker and an arena of `pages` local pages registered with it.
+void NewWorkerAndArena(uint64_t pages, std::unique_ptr<transport::Worker>* worker,
+                       std::shared_ptr<transport::Arena>* arena, transport::WorkerOptions wo = {}) {
+  auto ctx = transport::Context::Create();
+  ASSERT_TRUE(ctx.ok()) << ctx.status();
+  auto w = transport::Worker::Create(*ctx, wo);
+  ASSERT_TRUE(w.ok()) << w.status();
+  auto a = (*w)->AllocateArena(pages * kLocalPage, kLocalPage);
+  ASSERT_TRUE(a.ok()) << a.status();
+  *worker = std::move(*w);
+  *arena = std::move(*a);
+}
+
 class ServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -124,14 +137,7 @@ class ServiceTest : public ::testing::Test {
     node_ = std::move(*node);
     address_ = "127.0.0.1:" + std::to_string(node_->port());
 
-    auto ctx = transport::Context::Create();
-    ASSERT_TRUE(ctx.ok()) << ctx.status();
-    auto worker = transport::Worker::Create(*ctx);
-    ASSERT_TRUE(worker.ok()) << worker.status();
-    worker_ = std::move(*worker);
-    auto arena = worker_->AllocateArena(256 * kLocalPage, kLocalPage);
-    ASSERT_TRUE(arena.ok()) << arena.status();
-    arena_ = *arena;
+    ASSERT_NO_FATAL_FAILURE(NewWorkerAndArena(256, &worker_, &arena_));
     auto client = PoolClient::Connect({address_, "test-client", worker_.get(), arena_});
     ASSERT_TRUE(client.ok()) << client.status();
     client_ = std::move(*client);
@@ -549,23 +555,20 @@ TEST_F(ServiceTest, HealthAndMetricsAreServed) {
 // on the transport's progress thread. Byte-exact across pieces; bytes changed on the
 // node are caught by Get (DATA_LOSS naming the object).
 TEST_F(ServiceTest, PipelinedPutAndGetOverActiveMessagesAreByteExactAndChecked) {
-  auto ctx = transport::Context::Create();
-  ASSERT_TRUE(ctx.ok()) << ctx.status();
   transport::WorkerOptions wo;
   wo.protocol = transport::Protocol::kActiveMessage;
-  auto worker = transport::Worker::Create(*ctx, wo);
-  ASSERT_TRUE(worker.ok()) << worker.status();
-  auto arena = (*worker)->AllocateArena(256 * kLocalPage, kLocalPage);
-  ASSERT_TRUE(arena.ok()) << arena.status();
+  std::unique_ptr<transport::Worker> worker;
+  std::shared_ptr<transport::Arena> arena;
+  ASSERT_NO_FATAL_FAILURE(NewWorkerAndArena(256, &worker, &arena, wo));
   PoolClientOptions o;
   o.node_address = address_;
   o.client_id = "am-client";
-  o.worker = worker->get();
-  o.local_arena = *arena;
+  o.worker = worker.get();
+  o.local_arena = arena;
   o.put_pipeline_bytes = 100'000;  // a Reserve/Commit piece every one or two items
   auto client = PoolClient::Connect(o);
   ASSERT_TRUE(client.ok()) << client.status();
-  std::byte* local = (*arena)->base();
+  std::byte* local = arena->base();
   const std::vector<uint64_t> lengths = {65'536, 1, 150'001, 99'999, 131'072, 7, 200'000, 40'000};
   const std::vector<PutItem> items = StageChain(700, 700, lengths, local);
   std::vector<BlockHash> chain;
@@ -714,6 +717,77 @@ TEST_F(ServiceTest, FailedPipelinedPutEndsTheReservationsItMadeAhead) {
   EXPECT_EQ(node_->core().Stats().pending_reservations, 0u);
 }
 
+// A Put whose reservation runs out before a piece is written writes no more: it fails
+// with DEADLINE_EXCEEDED, the pieces before stay stored, and the node keeps the pages it
+// took back unused for one more reserve timeout (a write under way must not land in
+// another object).
+TEST(ReserveTimeout, PutStopsWritingOnceItsReservationRanOut) {
+  testing::TempDir dir;
+  NodeConfig cfg;
+  cfg.listen = "127.0.0.1:0";
+  cfg.metrics_port = -1;
+  cfg.pool.page_bytes = kNodePage;
+  cfg.pool.dram_bytes = 16 * kNodePage;
+  cfg.pool.reserve_timeout_ms = 100;
+  cfg.pool.background = false;
+  auto node = NodeServer::Start(cfg);
+  ASSERT_TRUE(node.ok()) << node.status();
+  std::unique_ptr<transport::Worker> worker;
+  std::shared_ptr<transport::Arena> arena;
+  ASSERT_NO_FATAL_FAILURE(NewWorkerAndArena(16, &worker, &arena));
+  PoolClientOptions o;
+  o.node_address = "127.0.0.1:" + std::to_string((*node)->port());
+  o.client_id = "late-writer";
+  o.worker = worker.get();
+  o.local_arena = arena;
+  o.put_pipeline_bytes = 40'000;  // one piece per item (pieces end at or after 45, 135, 225 kB)
+  // The second piece stalls (a slow client) until its reservation has run out.
+  o.before_piece_transfer = [](size_t k) {
+    if (k == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  };
+  auto client = PoolClient::Connect(o);
+  ASSERT_TRUE(client.ok()) << client.status();
+  std::vector<PutItem> items;
+  std::optional<BlockHash> parent;
+  for (uint64_t i = 0; i < 3; ++i) {
+    const std::string bytes = Pattern(900 + i, 100'000);
+    std::vector<uint64_t> pages;
+    for (uint64_t off = 0, p = i * 4; off < bytes.size(); off += kLocalPage, ++p) {
+      std::memcpy(arena->base() + p * kLocalPage, bytes.data() + off,
+                  std::min<uint64_t>(kLocalPage, bytes.size() - off));
+      pages.push_back(p);
+    }
+    items.push_back(PutItem{H(900 + i), parent, StateKind::kAttnKv, pages, bytes.size()});
+    parent = H(900 + i);
+  }
+  auto put = (*client)->Put(items);
+  ASSERT_FALSE(put.ok());
+  EXPECT_EQ(put.status().code(), absl::StatusCode::kDeadlineExceeded) << put.status();
+  EXPECT_THAT(std::string(put.status().message()), ::testing::HasSubstr("--reserve-timeout-ms"));
+
+  const PoolStatsSnapshot st = (*node)->core().Stats();
+  EXPECT_EQ(st.pending_reservations, 0u);
+  EXPECT_EQ(st.reclaimed_reservations, 1u);
+  EXPECT_EQ(st.tiers[0].used_bytes, 2 * kNodePage);            // the first piece, stored
+  EXPECT_EQ(st.dram_held_back_bytes, 4 * kNodePage);           // the other two: held back
+  auto lease = (*client)->Lookup(std::vector<BlockHash>{H(900), H(901), H(902)});
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_EQ(lease->prefix_blocks, 1u);
+  if (lease->lease_id != 0) {
+    EXPECT_TRUE((*client)->Release(lease->lease_id).ok());
+  }
+  auto stats = (*client)->GetStats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->dram_held_back_bytes(), 4 * kNodePage);
+
+  // One more timeout later the pages are free again.
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  (*node)->core().RunMaintenance();
+  EXPECT_EQ((*node)->core().Stats().dram_held_back_bytes, 0u);
+  client->reset();
+  node->reset();
+}
+
 // A --dram the host cannot back is refused up front, naming --dram and the limit; it
 // used to hang startup while UCX filled a file in /dev/shm.
 TEST(DramCheck, RefusesWhatTheHostCannotBack) {
@@ -773,14 +847,10 @@ TEST(NodeIdDefault, IsPoolDashBoundPort) {
   EXPECT_EQ((*node)->core().Stats().node_id, want);
   EXPECT_THAT((*node)->DescribeConfig(), ::testing::HasSubstr("kvpool-node " + want + "\n"));
 
-  auto ctx = transport::Context::Create();
-  ASSERT_TRUE(ctx.ok()) << ctx.status();
-  auto worker = transport::Worker::Create(*ctx);
-  ASSERT_TRUE(worker.ok()) << worker.status();
-  auto arena = (*worker)->AllocateArena(4 * kLocalPage, kLocalPage);
-  ASSERT_TRUE(arena.ok()) << arena.status();
-  auto client = PoolClient::Connect(
-      {"127.0.0.1:" + std::to_string((*node)->port()), "id-test", worker->get(), *arena});
+  std::unique_ptr<transport::Worker> worker;
+  std::shared_ptr<transport::Arena> arena;
+  ASSERT_NO_FATAL_FAILURE(NewWorkerAndArena(4, &worker, &arena));
+  auto client = PoolClient::Connect({"127.0.0.1:" + std::to_string((*node)->port()), "id-test", worker.get(), arena});
   ASSERT_TRUE(client.ok()) << client.status();
   EXPECT_EQ((*client)->node_id(), want);  // Connect's answer
   auto stats = (*client)->GetStats();

@@ -370,6 +370,7 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
   grpc::CompletionQueue cq;  // this Put's RPCs; polled by this thread while it waits
   size_t started = 0;
   std::vector<std::unique_ptr<ReserveCall>> reserves(groups.size());
+  std::vector<std::chrono::steady_clock::time_point> reserve_sent(groups.size());
   std::vector<uint32_t> group_commits(groups.size(), 0);  // Commits sent per group
   std::vector<std::unique_ptr<CommitCall>> commits(pieces.size());
   std::vector<std::vector<int>> commit_index(pieces.size());
@@ -386,6 +387,7 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
       e->set_length(it.length);
     }
     c->ctx.set_deadline(deadline());
+    reserve_sent[g] = std::chrono::steady_clock::now();
     c->reader = s_->stub->PrepareAsyncReserve(&c->ctx, c->req, &cq);
     c->reader->StartCall();
     c->reader->Finish(&c->resp, &c->status, &c->finished);
@@ -418,6 +420,18 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
     if (static_cast<size_t>(rresp.results_size()) != group_n) {
       return absl::InternalError(absl::StrCat("node answered ", rresp.results_size(),
                                               " reserve results for ", group_n, " entries"));
+    }
+    if (s_->opt.before_piece_transfer) s_->opt.before_piece_transfer(k);
+    // Counted from when the Reserve left, so never later than the node's own deadline
+    // (no shared clock needed). After it the node may give the pages to another object:
+    // a write now could corrupt that one (the node keeps them unused for one more
+    // timeout, for writes already under way).
+    if (rresp.ttl_ms() > 0 &&
+        std::chrono::steady_clock::now() >= reserve_sent[g] + std::chrono::milliseconds(rresp.ttl_ms())) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "reservation ", rresp.reservation_id(), " ran out (the node's reserve timeout, ", rresp.ttl_ms(),
+          " ms) before piece ", k, " of this Put was written; nothing more was written. Put the rest again "
+          "(earlier pieces are stored) or raise the node's --reserve-timeout-ms"));
     }
     const size_t first = pieces[k].first, n = pieces[k].second - first;
     std::vector<transport::TransferOp> ops;

@@ -127,6 +127,7 @@ struct Reservation {
   uint64_t id = 0;
   std::vector<ReserveSlot> slots;  // one per entry, in request order
   int64_t expires_unix_ms = 0;
+  int64_t ttl_ms = 0;  // time left when made: reserve_timeout_ms
 };
 
 struct CommitEntrySpec {
@@ -180,6 +181,9 @@ struct PoolStatsSnapshot {
   // NVMe pages kept unused after a failed journal DEL until the journal is rewritten
   // (not in tiers[kNvme].used_bytes).
   uint64_t nvme_held_back_bytes = 0;
+  // DRAM pages of reservations reclaimed at their timeout, kept unused for one more
+  // reserve timeout in case their client still writes (not in tiers[kDram].used_bytes).
+  uint64_t dram_held_back_bytes = 0;
 };
 
 // Where an object's copies are (tests, debugging).

@@ -37,6 +37,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -77,6 +78,9 @@ struct PoolClientOptions {
   // copied and checksummed by two threads at once: this one and a helper started for the
   // call (~20-50 us, against ~0.3 ms to copy 4 MiB). UINT64_MAX: always one thread.
   uint64_t get_two_threads_min_bytes = 4 << 20;
+  // Fault injection for tests: called by Put before piece k's transfer starts (once its
+  // Reserve is answered), e.g. to stall past the node's reserve timeout.
+  std::function<void(size_t piece)> before_piece_transfer = {};
 };
 
 // An object found by Lookup: where its bytes sit in the node's arena.
