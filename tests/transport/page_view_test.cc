@@ -1,6 +1,7 @@
 // Page views: index math against a contiguous reference, pages of odd sizes.
 #include "kvpool/transport/page_view.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -107,6 +108,25 @@ TEST(PageViewTest, RefusesShortRunsAndSplitElements) {
   auto split = KdaCheckpointView<float>::Create(PagedBytes(odd),
                                                 {.layers = 1, .heads = 1, .d_k = 2, .d_v = 2});
   EXPECT_EQ(split.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A shape whose byte count wraps around 64 bits, or has a negative dim (which converts to
+// a huge index), is refused naming the dim: it used to pass the size check with a small
+// wrapped product and index far outside the pages.
+TEST(PageViewTest, RefusesShapesThatOverflowOrAreNotPositive) {
+  std::vector<std::byte> buf(4096);
+  std::vector<std::span<std::byte>> pages = {{buf.data(), 4096}};
+  // 2 * 2^31-1 * 2^31-1 * 2^31-1 * 4 * 2 bytes: far beyond 2^64.
+  auto wrapped = KdaCheckpointView<float>::Create(
+      PagedBytes(pages), {.layers = 0x7fffffff, .heads = 0x7fffffff, .d_k = 0x7fffffff, .d_v = 8});
+  ASSERT_EQ(wrapped.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(wrapped.status().message()), ::testing::HasSubstr("overflow"));
+  auto negative = GqaBlockView<uint16_t>::Create(
+      PagedBytes(pages), {.layers = 1, .tokens = -2, .kv_heads = 1, .head_dim = 8});
+  ASSERT_EQ(negative.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(negative.status().message()), ::testing::HasSubstr("Shape.tokens=-2"));
+  auto zero = MlaBlockView<uint8_t>::Create(PagedBytes(pages), {.layers = 0, .tokens = 1});
+  EXPECT_EQ(zero.status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

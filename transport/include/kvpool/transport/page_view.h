@@ -26,6 +26,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <span>
 #include <utility>
 #include <vector>
@@ -116,6 +117,26 @@ class PagedTensor {
 };
 
 namespace view_internal {
+// The bytes of a shape's dims (times `copies`), or InvalidArgument naming a dim that is
+// not positive or a product that overflows 64 bits (a view over it would wrap around).
+inline absl::StatusOr<uint64_t> ShapeBytes(
+    std::initializer_list<std::pair<const char*, int>> dims, uint64_t copies, size_t elem,
+    const char* what) {
+  uint64_t n = copies * elem;
+  for (const auto& [name, d] : dims) {
+    if (d <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": Shape.", name, "=", d, " must be positive"));
+    }
+    if (__builtin_mul_overflow(n, static_cast<uint64_t>(d), &n)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": the shape's bytes overflow 64 bits at Shape.", name, "=", d,
+          "; check the model configuration"));
+    }
+  }
+  return n;
+}
+
 inline absl::Status CheckFits(const PagedBytes& b, uint64_t need, size_t elem,
                               const char* what) {
   if (b.page_bytes() == 0 || b.page_bytes() % elem != 0) {
@@ -146,7 +167,11 @@ class GqaBlockView {
     return 2ull * s.layers * s.tokens * s.kv_heads * s.head_dim * sizeof(T);
   }
   static absl::StatusOr<GqaBlockView> Create(PagedBytes bytes, const Shape& s) {
-    absl::Status st = view_internal::CheckFits(bytes, Bytes(s), sizeof(T), "GqaBlockView");
+    absl::StatusOr<uint64_t> need = view_internal::ShapeBytes(
+        {{"layers", s.layers}, {"tokens", s.tokens}, {"kv_heads", s.kv_heads}, {"head_dim", s.head_dim}},
+        2, sizeof(T), "GqaBlockView");
+    if (!need.ok()) return need.status();
+    absl::Status st = view_internal::CheckFits(bytes, *need, sizeof(T), "GqaBlockView");
     if (!st.ok()) return st;
     const std::array<uint64_t, 4> dims = {uint64_t(s.layers), uint64_t(s.tokens),
                                           uint64_t(s.kv_heads), uint64_t(s.head_dim)};
@@ -179,7 +204,11 @@ class MlaBlockView {
     return uint64_t(s.layers) * s.tokens * s.entry_dim * sizeof(T);
   }
   static absl::StatusOr<MlaBlockView> Create(PagedBytes bytes, const Shape& s) {
-    absl::Status st = view_internal::CheckFits(bytes, Bytes(s), sizeof(T), "MlaBlockView");
+    absl::StatusOr<uint64_t> need = view_internal::ShapeBytes(
+        {{"layers", s.layers}, {"tokens", s.tokens}, {"entry_dim", s.entry_dim}}, 1, sizeof(T),
+        "MlaBlockView");
+    if (!need.ok()) return need.status();
+    absl::Status st = view_internal::CheckFits(bytes, *need, sizeof(T), "MlaBlockView");
     if (!st.ok()) return st;
     MlaBlockView v;
     v.t_ = PagedTensor<T, 3>(std::move(bytes), 0,
@@ -208,8 +237,11 @@ class KdaCheckpointView {
     return uint64_t(s.layers) * s.heads * s.d_k * s.d_v * sizeof(T);
   }
   static absl::StatusOr<KdaCheckpointView> Create(PagedBytes bytes, const Shape& s) {
-    absl::Status st =
-        view_internal::CheckFits(bytes, Bytes(s), sizeof(T), "KdaCheckpointView");
+    absl::StatusOr<uint64_t> need = view_internal::ShapeBytes(
+        {{"layers", s.layers}, {"heads", s.heads}, {"d_k", s.d_k}, {"d_v", s.d_v}}, 1, sizeof(T),
+        "KdaCheckpointView");
+    if (!need.ok()) return need.status();
+    absl::Status st = view_internal::CheckFits(bytes, *need, sizeof(T), "KdaCheckpointView");
     if (!st.ok()) return st;
     KdaCheckpointView v;
     v.t_ = PagedTensor<T, 4>(std::move(bytes), 0,
