@@ -96,7 +96,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(EngineConfig config, Metr
       const model::KvArena& arena = e->runner_->arena();
       ASSIGN_OR_RETURN(e->pool_, PoolTier::Create(
                                      PoolTierOptions{e->cfg_.pool_nodes, e->cfg_.instance_id,
-                                                     e->cfg_.pool_rpc_timeout_ms, absl::Seconds(2)},
+                                                     e->cfg_.pool_rpc_timeout_ms, absl::Seconds(2),
+                                                     absl::Milliseconds(e->cfg_.pool_transfer_timeout_ms)},
                                      std::span<std::byte>(arena.base(), static_cast<size_t>(arena.size_bytes())),
                                      static_cast<uint64_t>(arena.page_bytes())));
     }

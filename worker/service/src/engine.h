@@ -58,6 +58,7 @@ struct EngineConfig {
   OffloadMode offload = OffloadMode::kWriteThrough;
   FetchMode fetch = FetchMode::kAuto;
   int pool_rpc_timeout_ms = 2000;
+  int pool_transfer_timeout_ms = 10'000;
 };
 
 struct EngineRequest {

@@ -26,7 +26,9 @@ absl::StatusOr<std::unique_ptr<PoolTier>> PoolTier::Create(PoolTierOptions optio
   t->opts_ = std::move(options);
   t->ring_ = RendezvousRing(t->opts_.node_addresses);
   ASSIGN_OR_RETURN(t->ucx_, transport::Context::Create());
-  ASSIGN_OR_RETURN(t->worker_, transport::Worker::Create(t->ucx_));
+  transport::WorkerOptions wo;
+  wo.batch_timeout = t->opts_.transfer_timeout;
+  ASSIGN_OR_RETURN(t->worker_, transport::Worker::Create(t->ucx_, wo));
   ASSIGN_OR_RETURN(t->arena_, t->worker_->RegisterArena(arena_memory, page_bytes));
   for (const std::string& a : t->opts_.node_addresses) t->nodes_.push_back(Node{a, nullptr, absl::InfinitePast(), ""});
   for (size_t i = 0; i < t->nodes_.size(); ++i) t->Client(i);  // connect what answers now

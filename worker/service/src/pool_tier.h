@@ -41,6 +41,10 @@ struct PoolTierOptions {
   std::string client_id;                    // the worker's instance id
   int rpc_timeout_ms = 2000;
   absl::Duration retry_after = absl::Seconds(2);  // a failed node is skipped this long
+  // A transfer batch still running after this fails (the transport closes its endpoint
+  // and the node is marked down): the engine, which waits for its step's transfers,
+  // stalls this long at most on a hung node, not the transport's default of 30 s.
+  absl::Duration transfer_timeout = absl::Seconds(10);
 };
 
 // Where one looked-up hash was found.

@@ -148,6 +148,10 @@ absl::StatusOr<WorkerConfig> ParseWorkerFlags(int argc, char** argv) {
   app.add_option("--offload", cfg.offload, "write-through (as blocks fill), write-back (on eviction) or off");
   app.add_option("--fetch", cfg.fetch, "auto (cost model with measured rates), always or never");
   app.add_option("--pool-timeout-ms", cfg.pool_rpc_timeout_ms, "pool node RPC timeout, ms")->check(CLI::Range(50, 600000));
+  app.add_option("--pool-transfer-timeout-ms", cfg.pool_transfer_timeout_ms,
+                 "a pool transfer (one step's fetch or offload) still running after this fails, and its blocks "
+                 "are recomputed, ms")
+      ->check(CLI::Range(100, 600000));
   app.add_option("--metrics-port", cfg.metrics_port, "Prometheus /metrics port (0: any, -1: off)");
   app.add_option("--threads", cfg.threads, "kernel threads (results do not depend on it)")->check(CLI::Range(1, 256));
   try {
@@ -216,6 +220,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerConfig c
   ec.offload = offload;
   ec.fetch = fetch;
   ec.pool_rpc_timeout_ms = s.cfg.pool_rpc_timeout_ms;
+  ec.pool_transfer_timeout_ms = s.cfg.pool_transfer_timeout_ms;
   // The instance id needs the port when it is defaulted; parse it from --listen.
   if (s.cfg.instance_id.empty()) {
     const size_t c = s.cfg.listen.rfind(':');

@@ -33,6 +33,7 @@ struct WorkerConfig {
   std::string offload = "write-through";
   std::string fetch = "auto";
   int pool_rpc_timeout_ms = 2000;
+  int pool_transfer_timeout_ms = 10'000;  // a hung pool transfer stalls the engine this long at most
   int metrics_port = -1;             // 0: any free port, -1: off
   int threads = 1;                   // kernel threads
   // Fault injection (tests): model::RunnerOptions::forward_fault.
