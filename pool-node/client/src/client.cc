@@ -23,6 +23,7 @@ struct PoolClient::State {
   std::shared_ptr<transport::Endpoint> ep;
   transport::RemoteArena remote;
   std::string node_id;
+  std::string node_worker_address;
   // ReleaseAsync calls in flight. Their completions land on release_cq, which no thread
   // waits on: they are reaped by later calls (ReapReleases) and by the destructor. The
   // client starts no gRPC callback threads (see the README: a poller thread of their
@@ -211,10 +212,12 @@ absl::StatusOr<std::unique_ptr<PoolClient>> PoolClient::Connect(PoolClientOption
   ASSIGN_OR_RETURN(s.ep, s.opt.worker->Connect(resp.ucx_worker_address(), resp.node_id()));
   RETURN_IF_ERROR(s.ep->ImportArena(s.remote));
   s.node_id = resp.node_id();
+  s.node_worker_address = resp.ucx_worker_address();
   return c;
 }
 
 const std::string& PoolClient::node_id() const { return s_->node_id; }
+const std::string& PoolClient::node_worker_address() const { return s_->node_worker_address; }
 uint64_t PoolClient::node_page_bytes() const { return s_->remote.page_bytes; }
 uint64_t PoolClient::node_pages() const { return s_->remote.num_pages(); }
 

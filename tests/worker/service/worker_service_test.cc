@@ -337,6 +337,34 @@ TEST(WorkerService, WriteBackThenNodeLoss) {
   ExpectSameAsOracle(worker_b, prompts, want, 2, 4);
 }
 
+// One pool node listed twice, or under two spellings (placement would give it two
+// places in the ring, and workers spelling it differently would disagree on owners): the
+// worker refuses to start, naming both entries.
+TEST(WorkerService, PoolNodeListedTwiceIsRefused) {
+  Cluster cl("alias");
+  const std::string a = cl.StartNode("pool-a", 8 << 20, 0);
+  ASSERT_FALSE(a.empty());
+  auto start = [](std::vector<std::string> nodes) {
+    WorkerConfig wc;
+    wc.listen = "127.0.0.1:0";
+    wc.instance_id = "worker-alias";
+    wc.pool_nodes = std::move(nodes);
+    return WorkerServer::Start(wc);
+  };
+  auto twice = start({a, a});
+  ASSERT_FALSE(twice.ok());
+  EXPECT_EQ(twice.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(twice.status().message()).find("twice"), std::string::npos) << twice.status();
+  const std::string alias = "localhost" + a.substr(a.rfind(':'));
+  auto aliased = start({a, alias});
+  ASSERT_FALSE(aliased.ok());
+  EXPECT_EQ(aliased.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(aliased.status().message()).find("reach the same pool node"), std::string::npos)
+      << aliased.status();
+  auto one = start({a});
+  EXPECT_TRUE(one.ok()) << one.status();
+}
+
 // A step whose forward pass fails (injected, as a kernel failure) has already cached the
 // pages it allocated: the request fails, and none of those pages may be offloaded (they
 // would reach the pool with a valid checksum over bytes nobody computed).

@@ -22,6 +22,14 @@ absl::StatusOr<std::unique_ptr<PoolTier>> PoolTier::Create(PoolTierOptions optio
   if (options.node_addresses.empty()) {
     return absl::InvalidArgumentError("--pool-nodes is empty; give host:port[,host:port...]");
   }
+  for (size_t i = 0; i < options.node_addresses.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (options.node_addresses[i] == options.node_addresses[j]) {
+        return absl::InvalidArgumentError(absl::StrCat("--pool-nodes lists ", options.node_addresses[i],
+                                                       " twice; list each pool node once"));
+      }
+    }
+  }
   std::unique_ptr<PoolTier> t(new PoolTier());
   t->opts_ = std::move(options);
   t->ring_ = RendezvousRing(t->opts_.node_addresses);
@@ -30,8 +38,16 @@ absl::StatusOr<std::unique_ptr<PoolTier>> PoolTier::Create(PoolTierOptions optio
   wo.batch_timeout = t->opts_.transfer_timeout;
   ASSIGN_OR_RETURN(t->worker_, transport::Worker::Create(t->ucx_, wo));
   ASSIGN_OR_RETURN(t->arena_, t->worker_->RegisterArena(arena_memory, page_bytes));
-  for (const std::string& a : t->opts_.node_addresses) t->nodes_.push_back(Node{a, nullptr, absl::InfinitePast(), ""});
-  for (size_t i = 0; i < t->nodes_.size(); ++i) t->Client(i);  // connect what answers now
+  for (const std::string& a : t->opts_.node_addresses) t->nodes_.push_back(Node{a, nullptr, absl::InfinitePast(), "", ""});
+  for (size_t i = 0; i < t->nodes_.size(); ++i) {
+    t->Client(i);  // connect what answers now
+    if (!t->nodes_[i].alias_of.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--pool-nodes: ", t->nodes_[i].address, " and ", t->nodes_[i].alias_of,
+          " reach the same pool node; list each node once, spelled the same on every worker "
+          "(placement hashes the addresses as given)"));
+    }
+  }
   return t;
 }
 
@@ -53,6 +69,16 @@ pool_node::PoolClient* PoolTier::Client(size_t node) {
   if (!c.ok()) {
     MarkDown(node, c.status());
     return nullptr;
+  }
+  // Two spellings of one node (localhost / 127.0.0.1) would give it two places in the
+  // placement ring, and workers spelling it differently would disagree on owners.
+  for (const Node& other : nodes_) {
+    if (other.client && other.client->node_worker_address() == (*c)->node_worker_address()) {
+      n.alias_of = other.address;
+      MarkDown(node, absl::FailedPreconditionError(absl::StrCat("the same pool node as ", other.address,
+                                                                "; list it once in --pool-nodes")));
+      return nullptr;
+    }
   }
   spdlog::info("pool node {} connected: {} ({} pages of {})", n.address, (*c)->node_id(), (*c)->node_pages(),
                FormatBytes((*c)->node_page_bytes()));

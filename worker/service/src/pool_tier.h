@@ -99,6 +99,7 @@ class PoolTier {
     std::unique_ptr<pool_node::PoolClient> client;
     absl::Time down_until = absl::InfinitePast();
     std::string last_error;
+    std::string alias_of;  // another entry's address that reached the same node process
   };
   PoolTier() = default;
   pool_node::PoolClient* Client(size_t node);  // connects lazily; null while down

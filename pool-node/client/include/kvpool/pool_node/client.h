@@ -143,6 +143,9 @@ class PoolClient {
   PutPhases put_phases() const;
 
   const std::string& node_id() const;
+  // The node process's UCX worker address (from Connect): equal for two clients only if
+  // they reached the same node process, whatever address each was given.
+  const std::string& node_worker_address() const;
   uint64_t node_page_bytes() const;
   uint64_t node_pages() const;
   // XXH3-64 of `length` bytes spread over local pages (what Put sends as the checksum).
