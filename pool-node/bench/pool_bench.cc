@@ -36,6 +36,7 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_format.h"
+#include "kvpool/common/cli_flags.h"
 #include "kvpool/common/checksum.h"
 #include "kvpool/common/service_main.h"
 #include "kvpool/common/stream_copy.h"
@@ -542,6 +543,7 @@ int main(int argc, char** argv) {
                "WorkerOptions::stream_copy_min_bytes; default: memcpy)");
   uint64_t pipeline_mib = g_put_pipeline_bytes >> 20;
   app.add_option("--put-pipeline-mib", pipeline_mib, "PoolClientOptions::put_pipeline_bytes, MiB");
+  kvpool::RequireDecimalIntegers(app);
   CLI11_PARSE(app, argc, argv);
   g_put_pipeline_bytes = pipeline_mib << 20;
   if (!g_node_address.empty() && !lookup_only) {

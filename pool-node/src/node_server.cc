@@ -1,3 +1,4 @@
+#include "kvpool/common/cli_flags.h"
 #include "kvpool/pool_node/node_server.h"
 
 #include <grpcpp/grpcpp.h>
@@ -99,6 +100,7 @@ absl::StatusOr<NodeConfig> ParseNodeFlags(int argc, char** argv) {
   app.add_option("--io-depth", cfg.pool.io_queue_depth, "io_uring queue depth (>= 32)");
   app.add_option("--quota-attn-kv", quota_kv, "DRAM quota for ATTN_KV objects (0: none)");
   app.add_option("--quota-linear-state", quota_lin, "DRAM quota for LINEAR_STATE objects (0: none)");
+  kvpool::RequireDecimalIntegers(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {

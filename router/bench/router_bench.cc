@@ -26,6 +26,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "bench.h"
+#include "kvpool/common/cli_flags.h"
 #include "kvpool/common/hash.h"
 #include "kvpool/common/service_main.h"
 #include "kvpool/router/kv_index.h"
@@ -364,6 +365,7 @@ int main(int argc, char** argv) {
   app.add_flag("--skip-grpc", skip_grpc, "skip the gRPC phase");
   app.add_flag("--skip-throughput", skip_throughput, "skip the index throughput phase (lookup latency only)");
   app.add_flag("--json", json, "print JSON");
+  kvpool::RequireDecimalIntegers(app);
   CLI11_PARSE(app, argc, argv);
 
   nlohmann::ordered_json out;

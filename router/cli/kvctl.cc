@@ -5,6 +5,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include "kvpool/common/cli_flags.h"
+
 namespace kvpool::kvctl {
 
 int RunKvctl(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
@@ -20,6 +22,7 @@ int RunKvctl(const std::vector<std::string>& args, std::ostream& out, std::ostre
   AddLoadCommands(app, io);
 
   std::vector<std::string> rev(args.rbegin(), args.rend() - (args.empty() ? 0 : 1));
+  kvpool::RequireDecimalIntegers(app);
   try {
     app.parse(rev);
   } catch (const CLI::ParseError& e) {

@@ -9,6 +9,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "kvpool/common/cli_flags.h"
 #include "kvpool/common/units.h"
 #include "kvpool/router/router_server.h"
 
@@ -60,6 +61,7 @@ int RunRouterMain(int argc, char** argv) {
   app.add_option("--flops", flops, "achieved prefill FLOP/s of a worker for the cost model, e.g. 400e12 (default) or 2e9 for CPU tiny-* workers");
   app.add_option("--pool-dram-bandwidth", dram_bw, "pool DRAM fetch bandwidth for the cost model, e.g. 25GB/s (default)");
   app.add_option("--pool-nvme-bandwidth", nvme_bw, "pool NVMe fetch bandwidth for the cost model, e.g. 7GB/s (default)");
+  kvpool::RequireDecimalIntegers(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

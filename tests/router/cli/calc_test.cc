@@ -94,6 +94,10 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{{"calc", "kv", "--model", "llama-3.3-70b", "--kv-dtype", "int3"}, "--kv-dtype"},
         BadCase{{"calc", "kv", "--model", "llama-3.3-70b", "--context", "-5"}, "--context"},
         BadCase{{"calc", "kv", "--model", "llama-3.3-70b", "--context", "many"}, "--context"},
+        // CLI11 reads integers with base 0: 010 was 8 and 0x10 16, without a word.
+        BadCase{{"calc", "kv", "--model", "llama-3.3-70b", "--context", "010"}, "--context: '010' has a leading zero"},
+        BadCase{{"calc", "kv", "--model", "llama-3.3-70b", "--context", "0x2000"}, "--context: '0x2000'"},
+        BadCase{{"calc", "util", "--max-len", "0100", "--page-size", "16"}, "--max-len"},
         // 327,680 B x 1e14 overflowed int64 into a negative footprint.
         BadCase{{"calc", "kv", "--model", "llama-3.3-70b", "--context", "100000000000000"}, "--context"},
         BadCase{{"calc", "util", "--max-len", "4611686018427387904", "--page-size", "1"}, "--max-len"},

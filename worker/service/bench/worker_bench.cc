@@ -14,6 +14,7 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
+#include "kvpool/common/cli_flags.h"
 #include "kvpool/common/service_main.h"
 #include "kvpool/pool_node/node_server.h"
 #include "kvpool/v1/worker.grpc.pb.h"
@@ -56,6 +57,7 @@ int Main(int argc, char** argv) {
   app.add_option("--lengths", lengths, "prompt lengths, tokens")->delimiter(',');
   app.add_option("--reps", reps, "prompts per length")->check(CLI::Range(1, 100));
   app.add_flag("--json", json, "print JSON");
+  kvpool::RequireDecimalIntegers(app);
   CLI11_PARSE(app, argc, argv);
 
   std::vector<std::unique_ptr<pool_node::NodeServer>> nodes;

@@ -1,3 +1,4 @@
+#include "kvpool/common/cli_flags.h"
 #include "kvpool/worker/service/worker_server.h"
 
 #include <grpcpp/grpcpp.h>
@@ -154,6 +155,7 @@ absl::StatusOr<WorkerConfig> ParseWorkerFlags(int argc, char** argv) {
       ->check(CLI::Range(100, 600000));
   app.add_option("--metrics-port", cfg.metrics_port, "Prometheus /metrics port (0: any, -1: off)");
   app.add_option("--threads", cfg.threads, "kernel threads (results do not depend on it)")->check(CLI::Range(1, 256));
+  kvpool::RequireDecimalIntegers(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {
