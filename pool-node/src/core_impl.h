@@ -23,6 +23,7 @@
 #include <deque>
 #include <memory>
 #include <set>
+#include <string>
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
@@ -185,6 +186,9 @@ class PoolCore::Impl {
   // parent of a held child is not evictable either.
   uint64_t EvictableDramPages(int kind) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ExpireLocked(int64_t now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // For RESOURCE_EXHAUSTED messages: ", and N pages held back from timed-out reservations
+  // (free again by T ms)" while there are any, else empty.
+  std::string HeldBackNote() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EndLease(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeReservedEntry(ReservedEntry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeReservation(ReservationState& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -342,6 +342,12 @@ void PoolCore::Impl::ExpireLocked(int64_t now) {
   }
 }
 
+std::string PoolCore::Impl::HeldBackNote() const {
+  if (dram_quarantine_.empty()) return "";
+  return absl::StrCat(", and ", dram_quarantined_pages_, " pages are held back from timed-out reservations (free again within ",
+                      opt_.reserve_timeout_ms, " ms)");
+}
+
 std::vector<std::byte*> PoolCore::Impl::Addresses(const std::vector<uint32_t>& pages) const {
   std::vector<std::byte*> out;
   out.reserve(pages.size());
@@ -420,7 +426,8 @@ size_t PoolCore::Impl::DemoteBatch(size_t max_objects, uint64_t stop_at_used_pag
     absl::flat_hash_set<ObjectKey> chosen;
     // Pages another round is writing out leave DRAM too (DemotePipelined).
     auto above_target = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return alloc_[kD]->used_pages() > stop_at_used_pages + planned + demoting_pages_;
+      // Held-back pages of timed-out reservations come back on their own.
+      return alloc_[kD]->used_pages() - dram_quarantined_pages_ > stop_at_used_pages + planned + demoting_pages_;
     };
     auto choose = [&](const Object& o) {
       planned += o.pages[kD].size();

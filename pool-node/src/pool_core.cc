@@ -253,7 +253,7 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
     return absl::ResourceExhaustedError(absl::StrCat(
         "Reserve needs ", need, " pages (", need * page_bytes_, " bytes) but the DRAM tier has ",
         dram_free, " of ", dram_pages_, " pages free and at most ", im.EvictableDramPages(-1),
-        " more unleased; nothing was evicted; retry later, release leases or add --dram"));
+        " more unleased", im.HeldBackNote(), "; nothing was evicted; retry later, release leases or add --dram"));
   }
   // Every victim is chosen before any is dropped: first what each kind's quota needs,
   // then what the tier still needs beyond the room those make.
@@ -279,8 +279,8 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
     return absl::ResourceExhaustedError(absl::StrCat(
         "Reserve needs ", need, " pages (", need * page_bytes_, " bytes) but the DRAM tier has ",
         dram_free, " of ", dram_pages_, " pages free and eviction could free only ",
-        plan.pages, " more: leased objects (or the chains above them) hold the rest; nothing was evicted; "
-        "retry later, release leases or add --dram"));
+        plan.pages, " more: leased objects (or the chains above them) hold the rest", im.HeldBackNote(),
+        "; nothing was evicted; retry later, release leases or add --dram"));
   }
   im.DropVictims(plan);  // DRAM copies: their pages are freed (no journal)
   Reservation out;
@@ -638,7 +638,7 @@ void PoolCore::RunMaintenance() {
     absl::MutexLock l(&im.mu_);
     const int64_t now = im.clock_->NowMs();
     im.ExpireLocked(now);
-    used = im.alloc_[kD]->used_pages();
+    used = im.alloc_[kD]->used_pages() - im.dram_quarantined_pages_;  // those come back on their own
     high = static_cast<uint64_t>(options_.demote_high_watermark * dram_pages_);
     low = static_cast<uint64_t>(options_.demote_low_watermark * dram_pages_);
     // Pages held back after a failed journal DEL come back with a compaction (retried

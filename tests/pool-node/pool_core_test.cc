@@ -236,7 +236,9 @@ TEST_F(PoolCoreTest, ZombieReserveIsReclaimedAfterTimeout) {
   // Its pages stay unused for one more timeout: the late client may still be writing.
   EXPECT_EQ(st.dram_held_back_bytes, 8 * kPage);
   EXPECT_EQ(st.tiers[0].used_bytes, 0u);
-  EXPECT_EQ(core->Reserve({&other, 1}).status().code(), absl::StatusCode::kResourceExhausted);
+  const absl::Status held = core->Reserve({&other, 1}).status();
+  EXPECT_EQ(held.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(held.message()), ::testing::HasSubstr("8 pages are held back from timed-out reservations"));
   clock_.AdvanceMs(999);
   core->RunMaintenance();
   EXPECT_EQ(core->Stats().dram_held_back_bytes, 8 * kPage);

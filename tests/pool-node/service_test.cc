@@ -723,6 +723,7 @@ TEST_F(ServiceTest, FailedPipelinedPutEndsTheReservationsItMadeAhead) {
 // another object).
 TEST(ReserveTimeout, PutStopsWritingOnceItsReservationRanOut) {
   testing::TempDir dir;
+  ManualClock clock;  // the node's: its expiries move only when the test says
   NodeConfig cfg;
   cfg.listen = "127.0.0.1:0";
   cfg.metrics_port = -1;
@@ -730,8 +731,10 @@ TEST(ReserveTimeout, PutStopsWritingOnceItsReservationRanOut) {
   cfg.pool.dram_bytes = 16 * kNodePage;
   cfg.pool.reserve_timeout_ms = 100;
   cfg.pool.background = false;
+  cfg.pool.clock = &clock;
   auto node = NodeServer::Start(cfg);
   ASSERT_TRUE(node.ok()) << node.status();
+  PoolCore& core = (*node)->core();
   std::unique_ptr<transport::Worker> worker;
   std::shared_ptr<transport::Arena> arena;
   ASSERT_NO_FATAL_FAILURE(NewWorkerAndArena(16, &worker, &arena));
@@ -741,9 +744,18 @@ TEST(ReserveTimeout, PutStopsWritingOnceItsReservationRanOut) {
   o.worker = worker.get();
   o.local_arena = arena;
   o.put_pipeline_bytes = 40'000;  // one piece per item (pieces end at or after 45, 135, 225 kB)
-  // The second piece stalls (a slow client) until its reservation has run out.
-  o.before_piece_transfer = [](size_t k) {
-    if (k == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // Before the second piece, a slow client: once the first piece is stored, the node's
+  // clock passes the reservation's end, and so does the client's (it counts the 100 ms
+  // ttl on its own steady clock).
+  bool first_stored = false;
+  o.before_piece_transfer = [&](size_t k) {
+    if (k != 1) return;
+    for (int i = 0; i < 1000 && core.Stats().tiers[0].used_bytes < 2 * kNodePage; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    first_stored = core.Stats().tiers[0].used_bytes == 2 * kNodePage;
+    clock.AdvanceMs(101);
+    std::this_thread::sleep_for(std::chrono::milliseconds(120));
   };
   auto client = PoolClient::Connect(o);
   ASSERT_TRUE(client.ok()) << client.status();
@@ -761,15 +773,17 @@ TEST(ReserveTimeout, PutStopsWritingOnceItsReservationRanOut) {
     parent = H(900 + i);
   }
   auto put = (*client)->Put(items);
+  ASSERT_TRUE(first_stored) << "the first piece's Commit never reached the node";
   ASSERT_FALSE(put.ok());
-  EXPECT_EQ(put.status().code(), absl::StatusCode::kDeadlineExceeded) << put.status();
+  // Not DEADLINE_EXCEEDED: a worker would take that for a failed node.
+  EXPECT_EQ(put.status().code(), absl::StatusCode::kFailedPrecondition) << put.status();
   EXPECT_THAT(std::string(put.status().message()), ::testing::HasSubstr("--reserve-timeout-ms"));
 
-  const PoolStatsSnapshot st = (*node)->core().Stats();
+  const PoolStatsSnapshot st = core.Stats();
   EXPECT_EQ(st.pending_reservations, 0u);
   EXPECT_EQ(st.reclaimed_reservations, 1u);
-  EXPECT_EQ(st.tiers[0].used_bytes, 2 * kNodePage);            // the first piece, stored
-  EXPECT_EQ(st.dram_held_back_bytes, 4 * kNodePage);           // the other two: held back
+  EXPECT_EQ(st.tiers[0].used_bytes, 2 * kNodePage);   // the first piece, stored
+  EXPECT_EQ(st.dram_held_back_bytes, 4 * kNodePage);  // the other two: held back
   auto lease = (*client)->Lookup(std::vector<BlockHash>{H(900), H(901), H(902)});
   ASSERT_TRUE(lease.ok()) << lease.status();
   EXPECT_EQ(lease->prefix_blocks, 1u);
@@ -781,9 +795,12 @@ TEST(ReserveTimeout, PutStopsWritingOnceItsReservationRanOut) {
   EXPECT_EQ(stats->dram_held_back_bytes(), 4 * kNodePage);
 
   // One more timeout later the pages are free again.
-  std::this_thread::sleep_for(std::chrono::milliseconds(150));
-  (*node)->core().RunMaintenance();
-  EXPECT_EQ((*node)->core().Stats().dram_held_back_bytes, 0u);
+  clock.AdvanceMs(99);
+  core.RunMaintenance();
+  EXPECT_EQ(core.Stats().dram_held_back_bytes, 4 * kNodePage);
+  clock.AdvanceMs(1);
+  core.RunMaintenance();
+  EXPECT_EQ(core.Stats().dram_held_back_bytes, 0u);
   client->reset();
   node->reset();
 }

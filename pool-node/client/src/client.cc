@@ -425,16 +425,21 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
                                               " reserve results for ", group_n, " entries"));
     }
     if (s_->opt.before_piece_transfer) s_->opt.before_piece_transfer(k);
-    // Counted from when the Reserve left, so never later than the node's own deadline
-    // (no shared clock needed). After it the node may give the pages to another object:
-    // a write now could corrupt that one (the node keeps them unused for one more
-    // timeout, for writes already under way).
-    if (rresp.ttl_ms() > 0 &&
-        std::chrono::steady_clock::now() >= reserve_sent[g] + std::chrono::milliseconds(rresp.ttl_ms())) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "reservation ", rresp.reservation_id(), " ran out (the node's reserve timeout, ", rresp.ttl_ms(),
-          " ms) before piece ", k, " of this Put was written; nothing more was written. Put the rest again "
-          "(earlier pieces are stored) or raise the node's --reserve-timeout-ms"));
+    // Counted from when the Reserve left (no clock shared with the node), less a margin
+    // for the node's whole-millisecond clock. After it the node may give the pages to
+    // another object: a write now could corrupt that one (the node keeps them unused for
+    // one more timeout, for writes already under way). Not DEADLINE_EXCEEDED: the node
+    // is fine (a worker would take that for a failed node), this Put was too slow.
+    if (rresp.ttl_ms() > 0) {
+      const int64_t margin_ms = std::max<int64_t>(2, rresp.ttl_ms() / 20);
+      if (std::chrono::steady_clock::now() >=
+          reserve_sent[g] + std::chrono::milliseconds(rresp.ttl_ms() - std::min(margin_ms, rresp.ttl_ms()))) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "reservation ", rresp.reservation_id(), " ran out (the node's reserve timeout is ", rresp.ttl_ms(),
+            " ms) before this Put had written all its objects; it wrote nothing more. Objects whose Commit "
+            "the node answered are stored (Lookup tells which); Put the others again, or raise the node's "
+            "--reserve-timeout-ms"));
+      }
     }
     const size_t first = pieces[k].first, n = pieces[k].second - first;
     std::vector<transport::TransferOp> ops;

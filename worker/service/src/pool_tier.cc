@@ -74,6 +74,11 @@ pool_node::PoolClient* PoolTier::Client(size_t node) {
   // placement ring, and workers spelling it differently would disagree on owners.
   for (const Node& other : nodes_) {
     if (other.client && other.client->node_worker_address() == (*c)->node_worker_address()) {
+      if (n.alias_of.empty()) {  // once: MarkDown's warning may have gone to an earlier error
+        spdlog::error("pool node {} is the same node process as {}: list it once in --pool-nodes, spelled "
+                      "the same on every worker; the blocks placed on {} are recomputed until then",
+                      n.address, other.address, n.address);
+      }
       n.alias_of = other.address;
       MarkDown(node, absl::FailedPreconditionError(absl::StrCat("the same pool node as ", other.address,
                                                                 "; list it once in --pool-nodes")));

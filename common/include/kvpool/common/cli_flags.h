@@ -1,7 +1,9 @@
 // Integer flags in plain decimal. CLI11 converts integers with strtoll(..., base 0), so
-// `--port 010` became 8 and `--num-blocks 0x40` 64 without a word. RequireDecimalIntegers
-// adds a check to every integer option of an app and its subcommands that refuses a
-// leading zero (octal or hex to CLI11), naming the value and the fix.
+// `--port 010` became 8 and `--num-blocks 0x40` 64 without a word, and unsigned ones with
+// strtoull, so `-1` became 2^64 - 1. RequireDecimalIntegers adds checks to every integer
+// option of an app and its subcommands that refuse a leading zero (octal or hex to CLI11)
+// and a negative unsigned value, naming the value and the fix. An option's own checks
+// (CLI::Range) run first: `--x 0100` against Range(100, ...) is refused by the range.
 //
 // Example:
 //   CLI::App app{"kvpool-node"};
@@ -14,26 +16,43 @@
 
 #include <CLI/CLI.hpp>
 
+#include <cctype>
 #include <string>
 
 namespace kvpool {
 
 inline void RequireDecimalIntegers(CLI::App& app) {
+  // What CLI11 would read in another base: a 0 followed by digits (octal) or by x and a
+  // hex digit. Anything else (0, 0.5, words) is left to CLI11's own conversion errors.
   static const CLI::Validator kDecimal(
       [](std::string& s) -> std::string {
         const size_t sign = !s.empty() && (s[0] == '-' || s[0] == '+') ? 1 : 0;
-        if (s.size() <= sign + 1 || s[sign] != '0') return "";
-        size_t first = s.find_first_not_of('0', sign);
-        const bool hex = first != std::string::npos && (s[first] == 'x' || s[first] == 'X');
-        if (hex || first == std::string::npos) first = s.size() - 1;
-        return "'" + s + "' has a leading zero (read as " + (hex ? "hex" : "octal") +
-               "); write the number in decimal" + (hex ? "" : ", e.g. " + s.substr(0, sign) + s.substr(first));
+        if (s.size() < sign + 2 || s[sign] != '0') return "";
+        const char next = s[sign + 1];
+        const bool octal = std::isdigit(static_cast<unsigned char>(next)) != 0;
+        const bool hex = (next == 'x' || next == 'X') && s.size() > sign + 2 &&
+                         std::isxdigit(static_cast<unsigned char>(s[sign + 2])) != 0;
+        if (!octal && !hex) return "";
+        std::string msg = "'" + s + "' has a leading zero (read as " + (hex ? "hex" : "octal") +
+                          "); write the number in decimal";
+        if (octal) {
+          const size_t first = s.find_first_not_of('0', sign);
+          msg += ", e.g. " + s.substr(0, sign) + (first == std::string::npos ? "0" : s.substr(first));
+        }
+        return msg;
       },
       "", "decimal");
+  // CLI11 reads an unsigned option with strtoull, which wraps "-1" to 2^64 - 1.
+  static const CLI::Validator kNotNegative(
+      [](std::string& s) -> std::string {
+        return !s.empty() && s[0] == '-' ? "'" + s + "' is negative; give a number >= 0" : "";
+      },
+      "", "not_negative");
   for (CLI::Option* o : app.get_options()) {
     const std::string type = o->get_type_name();  // "INT", or "INT:<validators>"
     const std::string base = type.substr(0, type.find(':'));
     if (base == "INT" || base == "UINT") o->check(kDecimal);
+    if (base == "UINT") o->check(kNotNegative);
   }
   for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) RequireDecimalIntegers(*sub);
 }

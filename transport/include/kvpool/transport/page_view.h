@@ -163,6 +163,7 @@ class GqaBlockView {
     int kv_heads = 0;
     int head_dim = 0;
   };
+  // REQUIRES: a shape Create accepts (positive dims, bytes below 2^64); unchecked.
   static uint64_t Bytes(const Shape& s) {
     return 2ull * s.layers * s.tokens * s.kv_heads * s.head_dim * sizeof(T);
   }
@@ -200,6 +201,7 @@ class MlaBlockView {
     int tokens = 0;
     int entry_dim = 576;
   };
+  // REQUIRES: a shape Create accepts (positive dims, bytes below 2^64); unchecked.
   static uint64_t Bytes(const Shape& s) {
     return uint64_t(s.layers) * s.tokens * s.entry_dim * sizeof(T);
   }
@@ -233,6 +235,7 @@ class KdaCheckpointView {
     int d_k = 0;
     int d_v = 0;
   };
+  // REQUIRES: a shape Create accepts (positive dims, bytes below 2^64); unchecked.
   static uint64_t Bytes(const Shape& s) {
     return uint64_t(s.layers) * s.heads * s.d_k * s.d_v * sizeof(T);
   }
