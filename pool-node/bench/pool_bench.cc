@@ -36,8 +36,8 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_format.h"
-#include "kvpool/common/cli_flags.h"
 #include "kvpool/common/checksum.h"
+#include "kvpool/common/cli_flags.h"
 #include "kvpool/common/service_main.h"
 #include "kvpool/common/stream_copy.h"
 #include "kvpool/pool_node/client.h"

@@ -129,12 +129,12 @@ class PoolCore::Impl {
   // this: a failing disk gets a retry every kCompactionRetryMs, not a full rewrite and an
   // error line every maintenance tick.
   int64_t next_compaction_ms_ ABSL_GUARDED_BY(mu_) = 0;
+  static constexpr int64_t kCompactionRetryMs = 10'000;
   // DRAM pages of reservations reclaimed at their timeout, unused for one more
   // reserve_timeout_ms: their client may still be writing (one-sided: nothing stops a
   // late write), and that write must land in no other object. (release time, pages).
   std::deque<std::pair<int64_t, std::vector<uint32_t>>> dram_quarantine_ ABSL_GUARDED_BY(mu_);
   uint64_t dram_quarantined_pages_ ABSL_GUARDED_BY(mu_) = 0;
-  static constexpr int64_t kCompactionRetryMs = 10'000;
   uint64_t promotions_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t reclaimed_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t expired_leases_ ABSL_GUARDED_BY(mu_) = 0;

@@ -1,4 +1,3 @@
-#include "kvpool/common/cli_flags.h"
 #include "kvpool/worker/service/worker_server.h"
 
 #include <grpcpp/grpcpp.h>
@@ -15,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "engine.h"
+#include "kvpool/common/cli_flags.h"
 #include "kvpool/common/service_main.h"
 #include "kvpool/common/status.h"
 #include "kvpool/metrics/metrics.h"
