@@ -190,8 +190,10 @@ class PoolCore::Impl {
   // (free again by T ms)" while there are any, else empty.
   std::string HeldBackNote() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EndLease(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FreeReservedEntry(ReservedEntry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FreeReservation(ReservationState& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends the entries' reservation of their pages; the pages go back to the allocator, or
+  // to `held` (appended) when given: the timeout's hold-back.
+  void FreeReservedEntry(ReservedEntry& e, std::vector<uint32_t>* held = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FreeReservation(ReservationState& r, std::vector<uint32_t>* held = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<std::byte*> Addresses(const std::vector<uint32_t>& dram_pages) const;
   uint64_t Checksum(const std::vector<uint32_t>& dram_pages, uint64_t length) const;
   uint64_t PagesFor(uint64_t bytes) const { return (bytes + page_bytes_ - 1) / page_bytes_; }

@@ -298,15 +298,19 @@ void PoolCore::Impl::EndLease(uint64_t id) {
   leases_.erase(it);
 }
 
-void PoolCore::Impl::FreeReservedEntry(ReservedEntry& e) {
+void PoolCore::Impl::FreeReservedEntry(ReservedEntry& e, std::vector<uint32_t>* held) {
   if (e.pages.empty()) return;
-  alloc_[0]->Free(e.pages);
+  if (held != nullptr) {
+    held->insert(held->end(), e.pages.begin(), e.pages.end());
+  } else {
+    alloc_[0]->Free(e.pages);
+  }
   reserved_by_kind_[KindIndex(e.spec.kind)] -= e.pages.size();
   e.pages.clear();
 }
 
-void PoolCore::Impl::FreeReservation(ReservationState& r) {
-  for (ReservedEntry& e : r.entries) FreeReservedEntry(e);
+void PoolCore::Impl::FreeReservation(ReservationState& r, std::vector<uint32_t>* held) {
+  for (ReservedEntry& e : r.entries) FreeReservedEntry(e, held);
 }
 
 void PoolCore::Impl::ExpireLocked(int64_t now) {
@@ -324,12 +328,7 @@ void PoolCore::Impl::ExpireLocked(int64_t now) {
     if (it->second.committing == 0 && it->second.expires_ms <= now) {
       // Not freed yet: a client that missed the deadline may still write into them.
       std::vector<uint32_t> held;
-      for (ReservedEntry& e : it->second.entries) {
-        if (e.pages.empty()) continue;
-        reserved_by_kind_[KindIndex(e.spec.kind)] -= e.pages.size();
-        held.insert(held.end(), e.pages.begin(), e.pages.end());
-        e.pages.clear();
-      }
+      FreeReservation(it->second, &held);
       if (!held.empty()) {
         dram_quarantined_pages_ += held.size();
         dram_quarantine_.emplace_back(now + opt_.reserve_timeout_ms, std::move(held));
