@@ -20,19 +20,20 @@ constexpr int kD = static_cast<int>(Tier::kDram);
 constexpr int kN = static_cast<int>(Tier::kNvme);
 constexpr size_t kMaxBatch = 4096;
 
-class SystemClockImpl : public Clock {
- public:
-  int64_t NowMs() const override {
-    return std::chrono::duration_cast<std::chrono::milliseconds>(
-               std::chrono::system_clock::now().time_since_epoch())
-        .count();
-  }
-};
+template <typename C>
+int64_t ChronoMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(C::now().time_since_epoch()).count();
+}
 
 }  // namespace
 
+AnchoredClock::AnchoredClock() : AnchoredClock(ChronoMs<std::chrono::system_clock>, ChronoMs<std::chrono::steady_clock>) {}
+
+AnchoredClock::AnchoredClock(std::function<int64_t()> wall_ms, std::function<int64_t()> steady_ms)
+    : steady_ms_(std::move(steady_ms)), anchor_wall_ms_(wall_ms()), anchor_steady_ms_(steady_ms_()) {}
+
 Clock* SystemClock() {
-  static SystemClockImpl clock;
+  static AnchoredClock clock;
   return &clock;
 }
 
@@ -592,6 +593,7 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
   if (!lease.keys.empty()) {
     ans.lease_id = im.next_id_++;
     ans.lease_expires_unix_ms = lease.expires_ms;
+    ans.lease_ttl_ms = lease.expires_ms - now;
     im.lease_expiry_.emplace(lease.expires_ms, ans.lease_id);
     im.leases_.emplace(ans.lease_id, std::move(lease));
   }

@@ -227,6 +227,7 @@ grpc::Status PoolNodeService::FinishLookup(absl::StatusOr<LookupAnswer> ans, v1:
   resp->set_prefix_blocks(ans->prefix_blocks);
   resp->set_lease_id(ans->lease_id);
   resp->set_lease_expires_unix_ms(ans->lease_expires_unix_ms);
+  resp->set_lease_ttl_ms(ans->lease_ttl_ms);
   resp->mutable_objects()->Reserve(ans->objects.size());
   for (const ObjectDesc& d : ans->objects) {
     v1::ObjectDescriptor* o = resp->add_objects();

@@ -180,12 +180,20 @@ class ServiceTest : public ::testing::Test {
   // A second client on this fixture's worker and arena, cutting Puts into pieces of
   // `pipeline_bytes`.
   std::unique_ptr<PoolClient> ConnectPipelined(const std::string& client_id, uint64_t pipeline_bytes) {
+    PoolClientOptions o = ClientOptions(client_id);
+    o.put_pipeline_bytes = pipeline_bytes;
+    return ConnectWith(o);
+  }
+  // Options of another client on this fixture's worker and arena, and its connection.
+  PoolClientOptions ClientOptions(const std::string& client_id) {
     PoolClientOptions o;
     o.node_address = address_;
     o.client_id = client_id;
     o.worker = worker_.get();
     o.local_arena = arena_;
-    o.put_pipeline_bytes = pipeline_bytes;
+    return o;
+  }
+  std::unique_ptr<PoolClient> ConnectWith(const PoolClientOptions& o) {
     auto client = PoolClient::Connect(o);
     EXPECT_TRUE(client.ok()) << client.status();
     return client.ok() ? std::move(*client) : nullptr;
@@ -603,25 +611,21 @@ TEST_F(ServiceTest, PipelinedPutAndGetOverActiveMessagesAreByteExactAndChecked) 
 // helper, half the objects each): byte-exact, and a changed byte is found in either half,
 // naming its object.
 TEST_F(ServiceTest, GetByTwoThreadsIsByteExactAndChecksBothHalves) {
-  PoolClientOptions o;
-  o.node_address = address_;
-  o.client_id = "two-threads";
-  o.worker = worker_.get();
-  o.local_arena = arena_;
+  PoolClientOptions o = ClientOptions("two-threads");
   o.get_two_threads_min_bytes = 1;  // every Get of two objects or more
-  auto client = PoolClient::Connect(o);
-  ASSERT_TRUE(client.ok()) << client.status();
+  auto client = ConnectWith(o);
+  ASSERT_NE(client, nullptr);
   const std::vector<uint64_t> lengths = {65'536, 1, 150'001, 99'999, 131'072, 7, 200'000, 40'000};
   const std::vector<PutItem> items = StageChain(900, 900, lengths);
   std::vector<BlockHash> chain;
   for (const PutItem& it : items) chain.push_back(it.hash);
-  auto put = (*client)->Put(items);
+  auto put = client->Put(items);
   ASSERT_TRUE(put.ok()) << put.status();
-  auto lease = (*client)->Lookup(chain);
+  auto lease = client->Lookup(chain);
   ASSERT_TRUE(lease.ok()) << lease.status();
   ASSERT_EQ(lease->prefix_blocks, lengths.size());
   const std::vector<std::vector<uint64_t>> dst = Destinations(*lease, 128);
-  absl::Status got = (*client)->Get(*lease, dst);
+  absl::Status got = client->Get(*lease, dst);
   ASSERT_TRUE(got.ok()) << got;
   for (size_t i = 0; i < lengths.size(); ++i) {
     EXPECT_TRUE(LocalBytes(dst[i], lengths[i]) == Pattern(900 + i, lengths[i])) << "item " << i;
@@ -629,13 +633,13 @@ TEST_F(ServiceTest, GetByTwoThreadsIsByteExactAndChecksBothHalves) {
   for (const size_t bad : {size_t{2}, size_t{6}}) {  // the helper's half, then the caller's
     std::byte& b = node_->core().arena_base()[uint64_t{lease->objects[bad].pages[0]} * kNodePage + 5];
     b ^= std::byte{1};
-    got = (*client)->Get(*lease, dst);
+    got = client->Get(*lease, dst);
     EXPECT_EQ(got.code(), absl::StatusCode::kDataLoss) << got;
     EXPECT_THAT(std::string(got.message()), ::testing::HasSubstr(absl::StrCat("object ", bad, " ")));
     b ^= std::byte{1};
   }
-  EXPECT_TRUE((*client)->Get(*lease, dst).ok());
-  EXPECT_TRUE((*client)->Release(lease->lease_id).ok());
+  EXPECT_TRUE(client->Get(*lease, dst).ok());
+  EXPECT_TRUE(client->Release(lease->lease_id).ok());
 }
 
 // What a pipelined Put does on the wire: the next piece is reserved before the previous
@@ -896,6 +900,113 @@ TEST_F(ServiceTest, GetAfterLeaseExpiryFailsCleanly) {
   std::vector<std::vector<uint64_t>> dst = {{100, 101, 102}};
   EXPECT_EQ(client_->Get(*lease, dst).code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(client_->Release(lease->lease_id).code(), absl::StatusCode::kNotFound);
+}
+
+// A Get larger than get_batch_bytes moves in batches (an object larger than that alone),
+// one after another, each with its own transport timeout; every object lands byte-exact.
+TEST_F(ServiceTest, GetMovesALargeLeaseInBatches) {
+  PoolClientOptions o = ClientOptions("batched-get");
+  o.get_batch_bytes = 150'000;
+  std::vector<size_t> batches;
+  o.before_get_batch = [&](size_t b) { batches.push_back(b); };
+  auto client = ConnectWith(o);
+  ASSERT_NE(client, nullptr);
+  const std::vector<uint64_t> lengths = {70'000, 70'000, 70'000, 200'000, 10'000};
+  const std::vector<PutItem> items = StageChain(1200, 1200, lengths);
+  auto put = client->Put(items);
+  ASSERT_TRUE(put.ok()) << put.status();
+  for (const absl::Status& st : *put) ASSERT_TRUE(st.ok()) << st;
+  std::vector<BlockHash> chain;
+  for (const PutItem& it : items) chain.push_back(it.hash);
+  auto lease = client->Lookup(chain);
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  ASSERT_EQ(lease->prefix_blocks, lengths.size());
+  const auto dst = Destinations(*lease, 100);
+  ASSERT_TRUE(client->Get(*lease, dst).ok());
+  // {0, 1} (140 kB), {2} (+200 kB would pass 150 kB), {3} (200 kB, alone), {4}.
+  EXPECT_THAT(batches, ::testing::ElementsAre(0, 1, 2, 3));
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    EXPECT_TRUE(LocalBytes(dst[i], lengths[i]) == Pattern(1200 + i, lengths[i])) << "object " << i;
+  }
+  EXPECT_TRUE(client->Release(lease->lease_id).ok());
+}
+
+// A lease that runs out between two batches stops the Get there: FAILED_PRECONDITION that
+// says how many objects arrived; those are intact, and nothing more is read.
+TEST_F(ServiceTest, GetStopsAtTheBatchWhereItsLeaseRanOut) {
+  PoolClientOptions o = ClientOptions("lease-runs-out");
+  o.get_batch_bytes = 1;  // one object per batch
+  const PoolLease* watched = nullptr;
+  o.before_get_batch = [&](size_t b) {
+    // Wait until the lease's end has passed on this process's clock (a precondition,
+    // not a timing assertion).
+    while (b == 1 && std::chrono::steady_clock::now() < *watched->usable_until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  };
+  auto client = ConnectWith(o);
+  ASSERT_NE(client, nullptr);
+  const std::vector<PutItem> items = StageChain(1300, 1300, {70'000, 70'000});
+  auto put = client->Put(items);
+  ASSERT_TRUE(put.ok() && (*put)[0].ok() && (*put)[1].ok());
+  auto lease = client->Lookup(std::vector<BlockHash>{items[0].hash, items[1].hash}, StateKind::kAttnKv,
+                                 /*lease_ms=*/300);
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  ASSERT_EQ(lease->prefix_blocks, 2u);
+  ASSERT_TRUE(lease->usable_until.has_value());
+  watched = &*lease;
+  const auto dst = Destinations(*lease, 100);
+  const absl::Status st = client->Get(*lease, dst);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("ran out after 1 of 2 objects"));
+  EXPECT_TRUE(LocalBytes(dst[0], 70'000) == Pattern(1300, 70'000));
+  EXPECT_TRUE(LocalBytes(dst[1], 70'000) == std::string(70'000, static_cast<char>(0xCD)));  // not read
+}
+
+// A lease is timed on the client's own monotonic clock, from its ttl: a node whose wall
+// clock is years behind the client's still serves Gets (the client used to compare the
+// node's expiry with its own wall clock and refuse them all), and one whose clock is an
+// hour ahead does not make the client read past the lease's end.
+TEST(LeaseTime, CountedOnTheClientsClockWhateverTheNodesSays) {
+  ManualClock clock;  // the node's: 2023, years behind this host
+  NodeConfig cfg;
+  cfg.listen = "127.0.0.1:0";
+  cfg.metrics_port = -1;
+  cfg.pool.page_bytes = kNodePage;
+  cfg.pool.dram_bytes = 16 * kNodePage;
+  cfg.pool.background = false;
+  cfg.pool.clock = &clock;
+  auto node = NodeServer::Start(cfg);
+  ASSERT_TRUE(node.ok()) << node.status();
+  std::unique_ptr<transport::Worker> worker;
+  std::shared_ptr<transport::Arena> arena;
+  ASSERT_NO_FATAL_FAILURE(NewWorkerAndArena(16, &worker, &arena));
+  auto client = PoolClient::Connect({"127.0.0.1:" + std::to_string((*node)->port()), "skewed", worker.get(), arena});
+  ASSERT_TRUE(client.ok()) << client.status();
+  const std::string bytes = Pattern(1400, 50'000);
+  std::memcpy(arena->base(), bytes.data(), kLocalPage);
+  std::memcpy(arena->base() + kLocalPage, bytes.data() + kLocalPage, bytes.size() - kLocalPage);
+  auto put = (*client)->Put(std::vector<PutItem>{{H(1400), std::nullopt, StateKind::kAttnKv, {0, 1}, bytes.size()}});
+  ASSERT_TRUE(put.ok() && (*put)[0].ok());
+
+  auto lease = (*client)->Lookup(std::vector<BlockHash>{H(1400)}, StateKind::kAttnKv, /*lease_ms=*/60'000);
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  ASSERT_EQ(lease->prefix_blocks, 1u);
+  std::vector<std::vector<uint64_t>> dst = {{4, 5}};
+  ASSERT_TRUE((*client)->Get(*lease, dst).ok());
+  EXPECT_TRUE(std::string(reinterpret_cast<const char*>(arena->base() + 4 * kLocalPage), bytes.size()) == bytes);
+  ASSERT_TRUE((*client)->Release(lease->lease_id).ok());
+
+  // Now an hour ahead of this host; a 1 ms lease has run out once 1 ms has passed here.
+  const int64_t wall_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                              std::chrono::system_clock::now().time_since_epoch()).count();
+  clock.AdvanceMs(wall_ms + 3'600'000 - clock.NowMs());
+  lease = (*client)->Lookup(std::vector<BlockHash>{H(1400)}, StateKind::kAttnKv, /*lease_ms=*/1);
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  ASSERT_EQ(lease->prefix_blocks, 1u);
+  EXPECT_GT(lease->expires_unix_ms, wall_ms + 3'000'000);  // far ahead on this host's wall clock
+  std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  EXPECT_EQ((*client)->Get(*lease, dst).code(), absl::StatusCode::kFailedPrecondition);
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <future>
@@ -43,6 +44,14 @@ v1::StateKind KindToProto(StateKind k) {
 int64_t NowMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
              std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// The end of a reservation or lease on this process's monotonic clock: its ttl counted
+// from when the request left (no clock shared with the node), less a margin for the
+// node's whole-millisecond clock (max(2 ms, ttl / 20), at most the ttl).
+std::chrono::steady_clock::time_point UsableUntil(std::chrono::steady_clock::time_point sent, int64_t ttl_ms) {
+  const int64_t margin_ms = std::min(ttl_ms, std::max<int64_t>(2, ttl_ms / 20));
+  return sent + std::chrono::milliseconds(ttl_ms - margin_ms);
 }
 
 // One checksum (XXH3-64) per object. Where this process copies (one-sided shared
@@ -249,11 +258,13 @@ absl::StatusOr<PoolLease> PoolClient::Lookup(std::span<const BlockHash> chain, S
   req->set_allow_gaps(allow_gaps);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(s_->opt.rpc_timeout_ms));
+  const auto sent = std::chrono::steady_clock::now();
   RETURN_IF_ERROR(FromGrpcStatus(s_->stub->Lookup(&ctx, *req, resp)));
   PoolLease lease;
   lease.prefix_blocks = resp->prefix_blocks();
   lease.lease_id = resp->lease_id();
   lease.expires_unix_ms = resp->lease_expires_unix_ms();
+  if (resp->lease_ttl_ms() > 0) lease.usable_until = UsableUntil(sent, resp->lease_ttl_ms());
   lease.objects.reserve(resp->objects_size());
   for (const v1::ObjectDescriptor& d : resp->objects()) {
     RemoteObject o;
@@ -273,40 +284,55 @@ absl::Status PoolClient::Get(const PoolLease& lease, std::span<const std::vector
     return absl::InvalidArgumentError(absl::StrCat("dst names ", dst.size(), " page lists for ",
                                                    lease.objects.size(), " objects; give one per object"));
   }
-  if (lease.objects.empty()) return absl::OkStatus();
-  if (NowMs() >= lease.expires_unix_ms) {
-    return absl::FailedPreconditionError(absl::StrCat("lease ", lease.lease_id,
-                                                      " expired; its pages may hold other objects now. Lookup again"));
-  }
-  std::vector<transport::TransferOp> ops;
-  ops.reserve(dst.size());
-  uint64_t bytes = 0;
-  for (size_t i = 0; i < dst.size(); ++i) {
-    const RemoteObject& o = lease.objects[i];
-    bytes += o.length;
-    transport::TransferOp op;
-    op.local = transport::PageRun{s_->opt.local_arena->id(), dst[i], o.length};
-    op.remote.arena_id = s_->remote.arena_id;
-    op.remote.pages.assign(o.pages.begin(), o.pages.end());
-    op.remote.bytes = o.length;
-    ops.push_back(std::move(op));
-  }
-  Digests digests(dst.size());
-  // One-sided (shared memory: copies by the submitting thread): two threads copy and
-  // checksum at once. A Put keeps one: there the node's verification of each piece runs
-  // on the other core meanwhile (tried: 2 threads lowered put from 0.47-0.48 to
-  // 0.42-0.47 of memcpy while get rose from 0.58-0.66 to 1.03-1.13, 2 pairs).
-  const bool two = s_->ep->protocol() == transport::Protocol::kRma &&
-                   bytes >= s_->opt.get_two_threads_min_bytes;
-  RETURN_IF_ERROR(two ? TransferTwoWays(*s_->ep, /*put=*/false, std::move(ops), digests)
-                      : Transfer(*s_->ep, /*put=*/false, std::move(ops), digests));
-  for (size_t i = 0; i < dst.size(); ++i) {
-    const RemoteObject& o = lease.objects[i];
-    if (digests.Value(i) != o.checksum) {
-      return absl::DataLossError(absl::StrCat("object ", i, " (", o.key.hash.ToHex(),
-                                              ") arrived with other bytes than its checksum; its lease ",
-                                              lease.lease_id, " may have run out: Lookup again"));
+  const auto ran_out = [&] {
+    return lease.usable_until ? std::chrono::steady_clock::now() >= *lease.usable_until
+                              : NowMs() >= lease.expires_unix_ms;
+  };
+  // Batches [begin, end) of objects, each up to get_batch_bytes (an object larger alone).
+  const uint64_t batch_bytes = std::max<uint64_t>(1, s_->opt.get_batch_bytes);
+  size_t begin = 0;
+  for (size_t batch = 0; begin < dst.size(); ++batch) {
+    size_t end = begin + 1;
+    uint64_t bytes = lease.objects[begin].length;
+    while (end < dst.size() && bytes + lease.objects[end].length <= batch_bytes) bytes += lease.objects[end++].length;
+    if (s_->opt.before_get_batch) s_->opt.before_get_batch(batch);
+    if (ran_out()) {
+      return absl::FailedPreconditionError(
+          begin == 0 ? absl::StrCat("lease ", lease.lease_id,
+                                    " expired; its pages may hold other objects now. Lookup again")
+                     : absl::StrCat("lease ", lease.lease_id, " ran out after ", begin, " of ", dst.size(),
+                                    " objects had arrived (those are in place and intact); its pages may hold "
+                                    "other objects now. Lookup again for the rest"));
     }
+    std::vector<transport::TransferOp> ops;
+    ops.reserve(end - begin);
+    for (size_t i = begin; i < end; ++i) {
+      const RemoteObject& o = lease.objects[i];
+      transport::TransferOp op;
+      op.local = transport::PageRun{s_->opt.local_arena->id(), dst[i], o.length};
+      op.remote.arena_id = s_->remote.arena_id;
+      op.remote.pages.assign(o.pages.begin(), o.pages.end());
+      op.remote.bytes = o.length;
+      ops.push_back(std::move(op));
+    }
+    Digests digests(ops.size());
+    // One-sided (shared memory: copies by the submitting thread): two threads copy and
+    // checksum at once. A Put keeps one: there the node's verification of each piece runs
+    // on the other core meanwhile (tried: 2 threads lowered put from 0.47-0.48 to
+    // 0.42-0.47 of memcpy while get rose from 0.58-0.66 to 1.03-1.13, 2 pairs).
+    const bool two = s_->ep->protocol() == transport::Protocol::kRma &&
+                     bytes >= s_->opt.get_two_threads_min_bytes;
+    RETURN_IF_ERROR(two ? TransferTwoWays(*s_->ep, /*put=*/false, std::move(ops), digests)
+                        : Transfer(*s_->ep, /*put=*/false, std::move(ops), digests));
+    for (size_t i = begin; i < end; ++i) {
+      const RemoteObject& o = lease.objects[i];
+      if (digests.Value(i - begin) != o.checksum) {
+        return absl::DataLossError(absl::StrCat("object ", i, " (", o.key.hash.ToHex(),
+                                                ") arrived with other bytes than its checksum; its lease ",
+                                                lease.lease_id, " may have run out: Lookup again"));
+      }
+    }
+    begin = end;
   }
   return absl::OkStatus();
 }
@@ -431,9 +457,7 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
     // one more timeout, for writes already under way). Not DEADLINE_EXCEEDED: the node
     // is fine (a worker would take that for a failed node), this Put was too slow.
     if (rresp.ttl_ms() > 0) {
-      const int64_t margin_ms = std::max<int64_t>(2, rresp.ttl_ms() / 20);
-      if (std::chrono::steady_clock::now() >=
-          reserve_sent[g] + std::chrono::milliseconds(rresp.ttl_ms() - std::min(margin_ms, rresp.ttl_ms()))) {
+      if (std::chrono::steady_clock::now() >= UsableUntil(reserve_sent[g], rresp.ttl_ms())) {
         return absl::FailedPreconditionError(absl::StrCat(
             "reservation ", rresp.reservation_id(), " ran out (the node's reserve timeout is ", rresp.ttl_ms(),
             " ms) before this Put had written all its objects; it wrote nothing more. Objects whose Commit "

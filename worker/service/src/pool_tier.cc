@@ -161,6 +161,7 @@ absl::Status PoolTier::Get(const PoolLookup& lookup, std::span<const size_t> whi
         if (o.key == part.objects.front().key && o.pages == part.objects.front().pages) {
           part.lease_id = l.lease_id;
           part.expires_unix_ms = l.expires_unix_ms;
+          part.usable_until = l.usable_until;
         }
       }
     }

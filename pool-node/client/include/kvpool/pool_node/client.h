@@ -3,7 +3,8 @@
 //
 //   Connect   gRPC Connect + UCX endpoint to the node + import of its DRAM arena
 //   Lookup    longest present prefix of a chain, with descriptors under one lease
-//   Get       copies leased objects into local arena pages (one UCX batch), checks checksums
+//   Get       copies leased objects into local arena pages (batches of up to
+//             get_batch_bytes), checks checksums
 //   Put       Reserve -> UCX put of local pages -> Commit with XXH3 checksums
 //   Release   ends a lease early (leases also expire on their own); ReleaseAsync: the
 //             same without waiting for the node
@@ -36,6 +37,7 @@
 // Thread safety: all methods are thread-safe (gRPC stubs and transport endpoints are).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -78,9 +80,17 @@ struct PoolClientOptions {
   // copied and checksummed by two threads at once: this one and a helper started for the
   // call (~20-50 us, against ~0.3 ms to copy 4 MiB). UINT64_MAX: always one thread.
   uint64_t get_two_threads_min_bytes = 4 << 20;
+  // Get: objects move in transfer batches of up to this many bytes (an object larger
+  // than it moves alone), one after another. A transfer batch has one timeout (the
+  // transport's batch_timeout, e.g. a worker's --pool-transfer-timeout-ms), so a prefix
+  // far larger than what the link moves in that time still arrives, batch by batch; the
+  // lease is checked again before each batch. 0 is taken as 1 (one object per batch).
+  uint64_t get_batch_bytes = 256 << 20;
   // Fault injection for tests: called by Put before piece k's transfer starts (once its
   // Reserve is answered), e.g. to stall past the node's reserve timeout.
   std::function<void(size_t piece)> before_piece_transfer = {};
+  // Fault injection for tests: called by Get before its transfer batch k starts.
+  std::function<void(size_t batch)> before_get_batch = {};
 };
 
 // An object found by Lookup: where its bytes sit in the node's arena.
@@ -96,7 +106,12 @@ struct PoolLease {
   uint32_t prefix_blocks = 0;
   std::vector<RemoteObject> objects;  // hits in chain order
   uint64_t lease_id = 0;              // 0: nothing found (nothing to release)
-  int64_t expires_unix_ms = 0;
+  int64_t expires_unix_ms = 0;        // on the node's clock: for display
+  // On this process's monotonic clock: the lease's length counted from when the Lookup
+  // left, less a margin (the node's clock counts whole milliseconds). Get starts no read
+  // at or after it. Unset (a node without lease_ttl_ms): Get compares expires_unix_ms with
+  // this host's wall clock instead, which is only as good as the two clocks agree.
+  std::optional<std::chrono::steady_clock::time_point> usable_until;
 };
 
 struct PutItem {
@@ -127,9 +142,10 @@ class PoolClient {
                                    StateKind kind = StateKind::kAttnKv, uint32_t lease_ms = 0,
                                    bool allow_gaps = false);
   // Copies lease.objects[i] into local pages dst[i] (enough pages for its length), in
-  // one transfer batch, then checks each object's checksum. FAILED_PRECONDITION when the
-  // lease has already expired; DATA_LOSS when bytes do not match (e.g. the lease ran
-  // out during the transfer and the node reused the pages): Lookup again.
+  // transfer batches of up to get_batch_bytes, then checks each object's checksum.
+  // FAILED_PRECONDITION when the lease ran out before a batch started (objects of
+  // earlier batches are in place and intact); DATA_LOSS when bytes do not match (e.g.
+  // the lease ran out during the transfer and the node reused the pages): Lookup again.
   absl::Status Get(const PoolLease& lease, std::span<const std::vector<uint64_t>> dst);
   // Stores objects: one status per item (OK: stored or already present; DATA_LOSS: the
   // node saw other bytes than the checksum says). RESOURCE_EXHAUSTED etc. for the call.
