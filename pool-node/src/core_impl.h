@@ -159,6 +159,13 @@ class PoolCore::Impl {
   // the last one. `o` is invalid afterwards in that case.
   void DropCopy(Object& o, int t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool KvPrefixPresent(const BlockHash& h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Pins the DRAM copies of the ATTN_KV chain ending at `h` (a checkpoint's prefix,
+  // invariant 4) and appends their keys to `pinned` (the caller unpins them). While
+  // pinned, making room in DRAM cannot erase a link and so hide the checkpoint;
+  // NVMe-only links are never erased by DRAM eviction. `seen` (one per call) ends a
+  // walk at a link an earlier walk of the same call reached.
+  void PinKvPrefix(const BlockHash& h, std::vector<ObjectKey>& pinned, absl::flat_hash_set<BlockHash>& seen)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Announce(Object& lin, bool on) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AnnounceBelow(const BlockHash& h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UnannounceBelow(const BlockHash& h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -142,6 +142,20 @@ bool PoolCore::Impl::KvPrefixPresent(const BlockHash& h) {
   return false;
 }
 
+void PoolCore::Impl::PinKvPrefix(const BlockHash& h, std::vector<ObjectKey>& pinned,
+                                 absl::flat_hash_set<BlockHash>& seen) {
+  constexpr int kD = static_cast<int>(Tier::kDram);
+  Object* o = Find(ObjectKey{h, StateKind::kAttnKv});
+  for (size_t steps = 0; o != nullptr && steps <= objects_.size() && seen.insert(o->key.hash).second; ++steps) {
+    if (o->copy[kD]) {
+      Pin(*o);
+      pinned.push_back(o->key);
+    }
+    if (!o->parent) break;
+    o = Find(ObjectKey{*o->parent, StateKind::kAttnKv});
+  }
+}
+
 void PoolCore::Impl::Announce(Object& lin, bool on) {
   if (lin.announced == on) return;
   if (!on && opt_.events != nullptr) {

@@ -212,8 +212,10 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
   uint64_t need_kind[kNumKinds] = {0, 0};
   // Entries answered already_present are pinned until the pages of the others are
   // allocated: evicting one of them to make room would tell the client a block is
-  // stored that this very call dropped.
+  // stored that this very call dropped (or, for a checkpoint, hid by evicting a link of
+  // its KV prefix: those are pinned too).
   std::vector<ObjectKey> pinned;
+  absl::flat_hash_set<BlockHash> kv_seen;
   auto unpin = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.mu_) {
     for (const ObjectKey& k : pinned) {
       if (Object* o = im.Find(k)) im.Unpin(*o);  // pinned: never evicted, but be safe
@@ -227,6 +229,7 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
       im.Touch(*o);
       im.Pin(*o);
       pinned.push_back(o->key);
+      if (e.kind == StateKind::kLinearState) im.PinKvPrefix(e.hash, pinned, kv_seen);
     } else {
       need += im.PagesFor(e.length);
       need_kind[KindIndex(e.kind)] += im.PagesFor(e.length);
@@ -450,13 +453,16 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
       }
     }
     // Pin every DRAM hit first: making room for an NVMe hit must not evict a hit later
-    // in the same chain (the answer would lose a block that was there all along).
+    // in the same chain (the answer would lose a block that was there all along), nor,
+    // for checkpoints, a link of the KV prefix that makes one visible.
+    absl::flat_hash_set<BlockHash> kv_seen;
     for (const ObjectKey& key : chain) {
       Object* o = im.Find(key);
       if (o->copy[kD]) {
         im.Pin(*o);
         pinned.push_back(key);
       }
+      if (key.kind == StateKind::kLinearState) im.PinKvPrefix(key.hash, pinned, kv_seen);
     }
     for (const ObjectKey& key : chain) {
       Object* o = im.Find(key);  // pinned, or NVMe-only (DRAM eviction leaves it)

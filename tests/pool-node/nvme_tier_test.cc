@@ -709,5 +709,45 @@ TEST_F(NvmeTierTest, StopBackgroundEndsMaintenance) {
   EXPECT_GT(core->Stats().demotions, 0u);
 }
 
+// A checkpoint (LINEAR_STATE) is visible only while its ATTN_KV prefix is present. A
+// Lookup of checkpoints that promotes one from NVMe makes room in DRAM without evicting
+// a link of that prefix: that would hide the very checkpoint it promotes (the answer
+// used to come back empty although everything was stored when it started).
+TEST_F(NvmeTierTest, CheckpointLookupDoesNotEvictItsOwnKvPrefix) {
+  auto core = Make(4, 16);  // objects of one page each
+  ASSERT_TRUE(Put(*core, H(2), std::nullopt, Pattern(50, kPage), StateKind::kLinearState).ok());
+  PutChain(*core, 1, 2, kPage);  // KV H1 -> H2: the checkpoint at H2 becomes visible
+  ASSERT_TRUE(core->Inspect({H(2), StateKind::kLinearState})->visible);
+  ASSERT_EQ(core->Demote(1), 1u);  // the coldest leaf, the checkpoint, to NVMe
+  ASSERT_FALSE(core->Inspect({H(2), StateKind::kLinearState})->in_dram);
+  PutChain(*core, 10, 2, kPage);  // DRAM full; KV H2 is its least recently used leaf
+  auto ans = core->Lookup({.hashes = {H(2)}, .kind = StateKind::kLinearState});
+  ASSERT_TRUE(ans.ok()) << ans.status();
+  ASSERT_EQ(ans->objects.size(), 1u);
+  EXPECT_EQ(ans->objects[0].found_in, Tier::kNvme);
+  auto bytes = core->ReadObject(ans->lease_id, {H(2), StateKind::kLinearState});
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  EXPECT_TRUE(*bytes == Pattern(50, kPage));
+  EXPECT_TRUE(core->Inspect({H(2), StateKind::kAttnKv}).has_value());
+  EXPECT_FALSE(core->Inspect({H(11), StateKind::kAttnKv}).has_value());  // the victim instead
+}
+
+// The same for a Reserve of checkpoints that names one already stored: the room it makes
+// for the new ones does not come from that one's KV prefix.
+TEST_F(NvmeTierTest, CheckpointReserveDoesNotEvictAPresentOnesKvPrefix) {
+  auto core = Make(4, 16);
+  PutChain(*core, 1, 2, kPage);  // KV H1 -> H2
+  ASSERT_TRUE(Put(*core, H(2), std::nullopt, Pattern(50, kPage), StateKind::kLinearState).ok());
+  PutChain(*core, 20, 1, kPage);  // DRAM full; KV H2 is its least recently used leaf
+  const std::vector<ReserveEntrySpec> entries = {{H(2), std::nullopt, StateKind::kLinearState, kPage},
+                                                 {H(30), std::nullopt, StateKind::kLinearState, kPage}};
+  auto r = core->Reserve(entries);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->slots[0].already_present);
+  EXPECT_TRUE(core->Inspect({H(2), StateKind::kLinearState})->visible);
+  EXPECT_TRUE(core->Inspect({H(2), StateKind::kAttnKv}).has_value());
+  EXPECT_FALSE(core->Inspect({H(20), StateKind::kAttnKv}).has_value());  // the victim instead
+}
+
 }  // namespace
 }  // namespace kvpool::pool_node
