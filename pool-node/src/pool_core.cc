@@ -19,6 +19,7 @@ namespace {
 constexpr int kD = static_cast<int>(Tier::kDram);
 constexpr int kN = static_cast<int>(Tier::kNvme);
 constexpr size_t kMaxBatch = 4096;
+constexpr int64_t kMaxReserveTimeoutMs = 86'400'000;  // a day: expiry sums stay far from overflow
 
 template <typename C>
 int64_t ChronoMs() {
@@ -65,10 +66,19 @@ absl::StatusOr<std::unique_ptr<PoolCore>> PoolCore::Create(PoolOptions options) 
         "demotion watermarks low=", options.demote_low_watermark, " high=",
         options.demote_high_watermark, " must satisfy 0 < low < high <= 1"));
   }
-  if (options.reserve_timeout_ms <= 0) {
+  if (options.reserve_timeout_ms <= 0 || options.reserve_timeout_ms > kMaxReserveTimeoutMs) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--reserve-timeout-ms=", options.reserve_timeout_ms,
-        " must be > 0 (a reservation must outlive its writes); e.g. --reserve-timeout-ms=30000"));
+        "--reserve-timeout-ms=", options.reserve_timeout_ms, " must be in 1..", kMaxReserveTimeoutMs,
+        " (a reservation must outlive its writes; its pages stay pinned that long); e.g. "
+        "--reserve-timeout-ms=30000"));
+  }
+  for (int k = 0; k < kNumKinds; ++k) {
+    const uint64_t q = options.dram_quota_bytes[k];
+    if (q != 0 && q < pb) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--quota-", k == 0 ? "attn-kv" : "linear-state", "=", q, " is smaller than one page (--page-bytes=", pb,
+          "): no object of that kind could be stored; give at least ", pb, " or 0 for no quota"));
+    }
   }
   if (options.default_lease_ms == 0 || options.default_lease_ms > options.max_lease_ms) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -1,6 +1,8 @@
 // PoolCore: the DRAM tier, leases, reservations, eviction order, quotas, co-presence.
 #include "kvpool/pool_node/pool_core.h"
 
+#include <limits>
+
 #include "absl/strings/match.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -478,7 +480,22 @@ TEST_F(PoolCoreTest, ValidationNamesTheField) {
   bad.background = false;
   bad.reserve_timeout_ms = 0;
   EXPECT_THAT(std::string(PoolCore::Create(bad).status().message()), ::testing::HasSubstr("--reserve-timeout-ms=0"));
+  // One whose expiry sum would overflow (every reservation then looked expired at once).
+  bad.reserve_timeout_ms = std::numeric_limits<int64_t>::max() / 2 + 1;
+  EXPECT_THAT(std::string(PoolCore::Create(bad).status().message()),
+              ::testing::HasSubstr("--reserve-timeout-ms=" + std::to_string(bad.reserve_timeout_ms)));
+  bad.reserve_timeout_ms = 86'400'000;  // the longest: a day
+  EXPECT_TRUE(PoolCore::Create(bad).ok());
   bad.reserve_timeout_ms = 1000;
+  // A quota below one page would refuse every Reserve of its kind.
+  bad.dram_quota_bytes = {1000, 0};
+  EXPECT_THAT(std::string(PoolCore::Create(bad).status().message()), ::testing::HasSubstr("--quota-attn-kv=1000"));
+  bad.dram_quota_bytes = {0, 4095};
+  EXPECT_THAT(std::string(PoolCore::Create(bad).status().message()),
+              ::testing::HasSubstr("--quota-linear-state=4095"));
+  bad.dram_quota_bytes = {4096, 0};
+  EXPECT_TRUE(PoolCore::Create(bad).ok());
+  bad.dram_quota_bytes = {0, 0};
   for (uint32_t lease : {0u, bad.max_lease_ms + 1}) {
     bad.default_lease_ms = lease;
     const absl::Status st = PoolCore::Create(bad).status();
