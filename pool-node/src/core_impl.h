@@ -201,6 +201,9 @@ class PoolCore::Impl {
   // to `held` (appended) when given: the timeout's hold-back.
   void FreeReservedEntry(ReservedEntry& e, std::vector<uint32_t>* held = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeReservation(ReservationState& r, std::vector<uint32_t>* held = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Keeps reserved pages out of use for one more reserve timeout from `now`: a
+  // one-sided write may still land in them (dram_held_back_bytes).
+  void HoldBack(std::vector<uint32_t> pages, int64_t now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<std::byte*> Addresses(const std::vector<uint32_t>& dram_pages) const;
   uint64_t Checksum(const std::vector<uint32_t>& dram_pages, uint64_t length) const;
   uint64_t PagesFor(uint64_t bytes) const { return (bytes + page_bytes_ - 1) / page_bytes_; }

@@ -343,16 +343,19 @@ void PoolCore::Impl::ExpireLocked(int64_t now) {
       // Not freed yet: a client that missed the deadline may still write into them.
       std::vector<uint32_t> held;
       FreeReservation(it->second, &held);
-      if (!held.empty()) {
-        dram_quarantined_pages_ += held.size();
-        dram_quarantine_.emplace_back(now + opt_.reserve_timeout_ms, std::move(held));
-      }
+      HoldBack(std::move(held), now);
       ++reclaimed_;
       reservations_.erase(it++);
     } else {
       ++it;
     }
   }
+}
+
+void PoolCore::Impl::HoldBack(std::vector<uint32_t> pages, int64_t now) {
+  if (pages.empty()) return;
+  dram_quarantined_pages_ += pages.size();
+  dram_quarantine_.emplace_back(now + opt_.reserve_timeout_ms, std::move(pages));
 }
 
 std::string PoolCore::Impl::HeldBackNote() const {

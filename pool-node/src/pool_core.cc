@@ -387,10 +387,14 @@ absl::StatusOr<std::vector<CommitOutcome>> PoolCore::Commit(uint64_t reservation
     if (actual[i] != entries[i].checksum) {
       out[i].status = absl::DataLossError(absl::StrFormat(
           "entries[%d] block %s: checksum %016x does not match the %d bytes written (%016x); "
-          "its pages were freed, Reserve and write it again",
+          "Reserve and write it again",
           i, re.spec.hash.ToHex(), entries[i].checksum, re.spec.length, actual[i]));
       ++im.checksum_failures_;
-      im.FreeReservedEntry(re);
+      // Wrong bytes may be a write still under way: its pages are held back like a
+      // timed-out reservation's, not handed to the next object at once.
+      std::vector<uint32_t> held;
+      im.FreeReservedEntry(re, &held);
+      im.HoldBack(std::move(held), im.clock_->NowMs());
       continue;
     }
     if (Object* existing = im.Find(key)) {  // committed meanwhile by another client
