@@ -125,6 +125,8 @@ void RunLoad(LoadArgs a, Io& io) {
       v1::RegisterRequest r;
       r.set_source_id(absl::StrCat("kvctl-load-sim-", k));
       r.set_kind(v1::SOURCE_KIND_WORKER);
+      // Simulated: it serves nothing, so an address in .invalid (RFC 2606: never resolves).
+      r.set_address(absl::StrCat("kvctl-load-sim-", k, ".invalid:1"));
       r.mutable_model()->set_name(spec->name);
       r.set_capacity_blocks(1 << 16);
       r.set_publishes_events(false);

@@ -36,6 +36,7 @@ class SimRouterTest : public ::testing::Test {
       v1::RegisterRequest r;
       r.set_source_id(id);
       r.set_kind(v1::SOURCE_KIND_WORKER);
+      r.set_address(id + ".local:7000");
       r.mutable_model()->set_name("tiny-gqa");
       r.set_capacity_blocks(4096);
       r.set_publishes_events(true);

@@ -446,11 +446,29 @@ TEST_F(RouterServiceTest, BadInputGetsClearErrorsAndOthersAreStillServed) {
   stray_dump_sequence.set_dump_sequence(1000);
   expect(client_->PublishEvents({stray_dump_sequence}).status(), absl::StatusCode::kInvalidArgument,
          "dump_sequence: 1000 set on a batch that is not a full dump");
+  // Sequences are 1..2^63: one far above would freeze the source's index (every later
+  // event a duplicate).
+  v1::EventBatch huge_sequence = Stored("w0", (uint64_t{1} << 63) + 1, hashes, 2);
+  expect(client_->PublishEvents({huge_sequence}).status(), absl::StatusCode::kInvalidArgument,
+         "events[0].sequence");
+  v1::EventBatch huge_dump;
+  huge_dump.set_source_id("w0");
+  huge_dump.set_full_dump(true);
+  huge_dump.set_dump_sequence(~uint64_t{0});
+  expect(client_->PublishEvents({huge_dump}).status(), absl::StatusCode::kInvalidArgument, "dump_sequence");
   v1::RegisterRequest bad_reg;
   bad_reg.set_source_id("w9");
   expect(client_->Register(bad_reg).status(), absl::StatusCode::kInvalidArgument, "kind");
   bad_reg.set_kind(v1::SOURCE_KIND_WORKER);
   bad_reg.mutable_model()->set_name("tiny-gqa");
+  // An address the router would hand to callers must be one they can dial.
+  for (const char* a : {"", "w9.local", "w9.local:0", "w9.local:70000", ":7000", "::1:7000", "w9.local:7x",
+                        "[::1:7000"}) {
+    bad_reg.set_address(a);
+    expect(client_->Register(bad_reg).status(), absl::StatusCode::kInvalidArgument,
+           absl::StrCat("address: '", a, "'"));
+  }
+  bad_reg.set_address("[::1]:7000");
   bad_reg.mutable_model()->set_block_tokens(32);
   expect(client_->Register(bad_reg).status(), absl::StatusCode::kInvalidArgument, "model.block_tokens=32");
   v1::HeartbeatRequest hb;
