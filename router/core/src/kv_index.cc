@@ -294,10 +294,11 @@ void KvIndex::Store(SourceSlot slot, const BlockHash& parent, std::span<const Bl
   for (const BlockHash& h : hashes) {
     auto [it, inserted] = map_.try_emplace(state ? StateKey(h) : h);
     Entry& e = it->second;
-    if (inserted) {
-      e.is_state = state;
-      if (!state) e.parent = prev;
-    }
+    if (inserted) e.is_state = state;
+    // A block first stored with an unknown parent (a pool node's chain start, a sliced
+    // event) learns it from a later event: otherwise its real parent looks like a leaf
+    // to pruning and could go before it, a hole in the chain.
+    if (!state && e.parent.IsZero() && !(prev == h)) e.parent = prev;
     e.age = tick;
     if (gpu_bit != 0) {  // inline fast path: a GPU holder in slots [0, 64)
       added += (e.gpu0 & gpu_bit) == 0 ? 1 : 0;
@@ -600,11 +601,20 @@ void KvIndex::MaybePrune() {
   for (const auto& [key, e] : map_) {
     if (!children.contains(key)) heap.emplace_back(e.age, key);
   }
-  if (heap.empty()) {  // only with a parent cycle (a hash collision): age alone
-    for (const auto& [key, e] : map_) heap.emplace_back(e.age, key);
-  }
   std::make_heap(heap.begin(), heap.end(), older);
-  while (entries_ > target && !heap.empty()) {
+  bool age_alone = false;
+  while (entries_ > target) {
+    if (heap.empty()) {
+      // Only blocks on parent cycles are left above the target: none of them is ever a
+      // leaf (a hash collision, or sources that linked blocks both ways in separate
+      // events). Age alone then, or the index would stay above max_entries and every
+      // later Store would scan it again.
+      if (age_alone) break;
+      age_alone = true;
+      for (const auto& [key, e] : map_) heap.emplace_back(e.age, key);
+      std::make_heap(heap.begin(), heap.end(), older);
+      continue;
+    }
     std::pop_heap(heap.begin(), heap.end(), older);
     const BlockHash key = heap.back().second;
     heap.pop_back();
@@ -626,7 +636,7 @@ void KvIndex::MaybePrune() {
     pruned_ += n;
     const BlockHash parent = e.parent;
     map_.erase(it);
-    if (!parent.IsZero()) {
+    if (!parent.IsZero() && !age_alone) {
       auto c = children.find(parent);
       if (c != children.end() && --c->second == 0) {
         auto p = map_.find(parent);

@@ -140,6 +140,13 @@ int64_t RouterCore::SlotOf(absl::string_view id) const {
   return it == by_id_.end() ? -1 : static_cast<int64_t>(it->second);
 }
 
+std::pair<size_t, size_t> RouterCore::ApproxSizes(absl::string_view id) const {
+  const int64_t slot = SlotOf(id);
+  if (slot < 0) return {0, 0};
+  const Source& s = sources_[static_cast<size_t>(slot)];
+  return {s.approx.size(), s.approx_order.size()};
+}
+
 // ---- sources -------------------------------------------------------------------------
 
 absl::Status RouterCore::Register(const SourceInfo& info, absl::Time now) {
@@ -294,8 +301,19 @@ void RouterCore::PredictBlocks(SourceSlot slot, std::span<const BlockHash> hashe
     s.approx[h] = expiry;
     s.approx_order.emplace_back(expiry, h);
   }
+  // A refreshed prediction leaves its old (expiry, hash) behind in the queue: routing
+  // one prompt again and again would grow it by the prompt's length each time until
+  // those expire. Past twice the live predictions it is rebuilt from them (amortized
+  // O(log n) per prediction).
+  if (s.approx_order.size() > 2 * s.approx.size() + 1024) {
+    s.approx_order.clear();
+    for (const auto& [h, t] : s.approx) s.approx_order.emplace_back(t, h);
+    std::sort(s.approx_order.begin(), s.approx_order.end(),
+              [](const auto& a, const auto& b) { return a.first < b.first; });
+  }
   // Capacity: drop the predictions that would expire first (the least recently routed).
-  const uint64_t cap = s.info.capacity_blocks;
+  // A worker that did not say how many blocks it holds gets the index's own bound.
+  const uint64_t cap = s.info.capacity_blocks != 0 ? s.info.capacity_blocks : options_.max_index_entries;
   while (cap > 0 && s.approx.size() > cap && !s.approx_order.empty()) {
     const auto [t, h] = s.approx_order.front();
     s.approx_order.pop_front();

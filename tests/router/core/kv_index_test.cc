@@ -317,6 +317,36 @@ TEST(KvIndexTest, PruningKeepsBoundAndRemovesLeavesFirst) {
   EXPECT_GT(index.MemoryBytes(), 0u);
 }
 
+// Blocks linked both ways by two events (a hash collision, or a confused source) are
+// never leaves; once only they are left above the bound, pruning goes by age alone
+// instead of leaving the index above max_entries (and every later Store rescanning it).
+TEST(KvIndexTest, PruningKeepsTheBoundWhenEventsLinkBlocksInACycle) {
+  KvIndex index(KvIndex::Options{.max_entries = 8, .prune_fraction = 0.5});
+  index.ResetSource(0);
+  index.Store(0, {}, std::vector<BlockHash>{H(999)}, Tier::kGpu);  // the one real leaf
+  for (uint64_t i = 0; i < 50; ++i) {
+    const BlockHash p = H(3 * i), a = H(3 * i + 1), b = H(3 * i + 2);
+    index.Store(0, b, std::vector<BlockHash>{p}, Tier::kGpu);     // p's parent b, not stored yet
+    index.Store(0, p, std::vector<BlockHash>{a, b}, Tier::kGpu);  // p -> a -> b -> p: no leaf
+    ASSERT_LE(index.entries(), 8u) << "after cycle " << i;
+  }
+  EXPECT_EQ(index.entries(), index.source_entries(0));
+}
+
+// A block first stored without its parent (a pool node announcing a chain piece) learns
+// the parent from a later event, so pruning takes the chain from its tail: the parent
+// is no longer a leaf to be pruned before it (a hole that lost the prefix).
+TEST(KvIndexTest, ABlockStoredFirstWithoutItsParentLearnsItLater) {
+  KvIndex index(KvIndex::Options{.max_entries = 4, .prune_fraction = 0.5});
+  index.ResetSource(0);
+  index.ResetSource(1);
+  index.Store(0, {}, std::vector<BlockHash>{H(0), H(1)}, Tier::kGpu);
+  index.Store(1, {}, std::vector<BlockHash>{H(2)}, Tier::kDram);     // parent unknown
+  index.Store(0, H(1), std::vector<BlockHash>{H(2), H(3)}, Tier::kGpu);  // 5 pairs: pruned to 2
+  EXPECT_EQ(index.entries(), 2u);
+  EXPECT_EQ(index.FindMatches(std::vector<BlockHash>{H(0), H(1), H(2), H(3)}).GpuBlocks(0), 2u);
+}
+
 TEST(KvIndexTest, LinearStateIsKeptApartFromKv) {
   KvIndex index;
   index.ResetSource(3);

@@ -340,6 +340,32 @@ TEST_F(RouterCoreTest, ApproximateModePredictsFromDecisionsUntilTtl) {
   EXPECT_EQ(core_->index().entries(), 0u);
 }
 
+// Routing one prompt again and again refreshes its predictions: the expiry queue is
+// rebuilt rather than grow by the prompt's length per decision until the TTL; a worker
+// that gave no capacity gets the index's bound on its predictions.
+TEST_F(RouterCoreTest, ApproximateModeRepeatsDoNotGrowItsQueue) {
+  RouterOptions o;
+  o.models = {"llama-3.3-70b"};
+  o.approx_ttl = absl::Hours(1);
+  o.max_index_entries = 64;
+  Make(o);
+  Worker("a0", "llama-3.3-70b", /*events=*/false);
+  const auto h = Hash(Tokens(16 * 40, 9));  // 40 blocks
+  for (int i = 0; i < 1000; ++i) {
+    RouteDecision d = Route(h, kT0 + absl::Milliseconds(i));
+    core_->CompleteDecision(d.decision_id);
+  }
+  auto [live, queued] = core_->ApproxSizes("a0");
+  EXPECT_EQ(live, 40u);
+  EXPECT_LE(queued, 2 * 40u + 1024 + 40);  // was 40 per decision: 40000
+  // 100 prompts of 40 other blocks each: at most max_index_entries predictions stay.
+  for (uint32_t p = 0; p < 100; ++p) {
+    RouteDecision d = Route(Hash(Tokens(16 * 40, 100 + p)), kT0 + absl::Seconds(2));
+    core_->CompleteDecision(d.decision_id);
+  }
+  EXPECT_LE(core_->ApproxSizes("a0").first, 64u);
+}
+
 TEST_F(RouterCoreTest, DecisionsReleaseOnCompletionOrTimeout) {
   MakeDefault(PolicyKind::kLeastLoad);
   Worker("w0");

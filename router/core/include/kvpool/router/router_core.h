@@ -227,6 +227,9 @@ class RouterCore {
   size_t num_sources() const { return by_id_.size(); }
   // Slot of a registered source, or -1.
   int64_t SlotOf(absl::string_view id) const;
+  // Approximate mode: the source's live predictions and its queued expiries (refreshed
+  // predictions leave stale ones until the queue is rebuilt); {0, 0} when unknown.
+  std::pair<size_t, size_t> ApproxSizes(absl::string_view id) const;
 
  private:
   struct Source {
