@@ -237,7 +237,8 @@ absl::StatusOr<std::unique_ptr<NvmeStore>> NvmeStore::Open(const std::string& di
 
   // Records that cannot be right are dropped before the compacted journal is written, so
   // they do not outlive this start (their pages are free from now on): a page count that
-  // does not fit the length, a page past the file, or a page two records claim (both go:
+  // does not fit the length, a page past the file, a page one record lists twice, or a
+  // page two records claim (both go:
   // which one wrote last is not known; a checksum would catch it, but the other object's
   // pages would be handed out again while it is still listed).
   {
@@ -253,8 +254,8 @@ absl::StatusOr<std::unique_ptr<NvmeStore>> NvmeStore::Open(const std::string& di
           continue;
         }
         auto [it, fresh] = owner.try_emplace(pg, key);
-        if (!fresh && !(it->second == key)) {
-          bad.insert(it->second);
+        if (!fresh) {  // another record's page, or one this record lists twice
+          if (!(it->second == key)) bad.insert(it->second);
           ok = false;
         }
       }
