@@ -271,15 +271,9 @@ void AddSimulateCommands(CLI::App& app, Io& io) {
   c->add_option("--pool-bandwidth", a->pool_bandwidth, "Pool fetch bandwidth per instance (default 25GB/s, RDMA)");
   c->add_option("--trace-block-tokens", a->trace_block_tokens, "Tokens per trace hash id (default 512, at most 2^20)")
       ->check(CLI::Range(int64_t{1}, trace::kMaxTraceBlockTokens));
-  // A size_t option would take "-1" as SIZE_MAX, i.e. silently "no limit".
-  c->add_option("--limit", a->limit, "Use the first N requests only (default 0 = all)")
-      ->check(CLI::Validator(
-          [](std::string& v) {
-            const size_t i = v.find_first_not_of(" \t");
-            return i != std::string::npos && v[i] == '-' ? absl::StrCat("must be >= 0 (0 = all requests), not ", v)
-                                                         : std::string();
-          },
-          "N >= 0"));
+  // A size_t option would take "-1" as SIZE_MAX, i.e. silently "no limit": refused by
+  // RequireDecimalIntegers (kvpool/common/cli_flags.h), which kvctl applies to every option.
+  c->add_option("--limit", a->limit, "Use the first N requests only (default 0 = all)");
   c->add_flag("--strict", a->strict, "Fail on the first bad trace line instead of skipping it");
   c->add_flag("--compare", a->compare, "Run every policy and write a table and a PNG chart");
   c->add_option("--chart", a->chart, "PNG written by --compare (default kvctl-simulate.png)");

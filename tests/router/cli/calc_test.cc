@@ -98,6 +98,9 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{{"calc", "kv", "--model", "llama-3.3-70b", "--context", "010"}, "--context: '010' has a leading zero"},
         BadCase{{"calc", "kv", "--model", "llama-3.3-70b", "--context", "0x2000"}, "--context: '0x2000'"},
         BadCase{{"calc", "util", "--max-len", "0100", "--page-size", "16"}, "--max-len"},
+        // The leading zero is named before a range check reads the value as octal.
+        BadCase{{"replay", "--router", "127.0.0.1:1", "--trace", "/nonexistent", "--concurrency", "04000"},
+                "--concurrency: '04000' has a leading zero"},
         // strtoull wrapped -1 into 2^64 - 1 for unsigned options.
         BadCase{{"route", "--router", "127.0.0.1:1", "--prompt-tokens", "-1"}, "--prompt-tokens: '-1' is negative"},
         // 327,680 B x 1e14 overflowed int64 into a negative footprint.

@@ -82,7 +82,7 @@ TEST_F(KvctlSimulateTest, NegativeLimitIsRejected) {
   ASSERT_EQ(RunCli({"simulate", "--trace", t, "--limit", "1"}).code, 0);
   Result r = RunCli({"simulate", "--trace", t, "--limit", "-1"});
   EXPECT_EQ(r.code, 2) << r.out;
-  EXPECT_TRUE(absl::StrContains(r.err, "--limit: must be >= 0 (0 = all requests), not -1")) << r.err;
+  EXPECT_TRUE(absl::StrContains(r.err, "--limit: '-1' is negative; give a number >= 0")) << r.err;
 }
 
 TEST(GnuplotQuoteTest, DoublesSingleQuotes) {

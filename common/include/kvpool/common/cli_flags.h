@@ -2,8 +2,9 @@
 // `--port 010` became 8 and `--num-blocks 0x40` 64 without a word, and unsigned ones with
 // strtoull, so `-1` became 2^64 - 1. RequireDecimalIntegers adds checks to every integer
 // option of an app and its subcommands that refuse a leading zero (octal or hex to CLI11)
-// and a negative unsigned value, naming the value and the fix. An option's own checks
-// (CLI::Range) run first: `--x 0100` against Range(100, ...) is refused by the range.
+// and a negative unsigned value, naming the value and the fix. They run before an
+// option's own checks (CLI::Range), so `--x 04000` against Range(1, 1024) is refused for
+// its leading zero, not as 2048 out of range.
 //
 // Example:
 //   CLI::App app{"kvpool-node"};
@@ -51,8 +52,10 @@ inline void RequireDecimalIntegers(CLI::App& app) {
   for (CLI::Option* o : app.get_options()) {
     const std::string type = o->get_type_name();  // "INT", or "INT:<validators>"
     const std::string base = type.substr(0, type.find(':'));
-    if (base == "INT" || base == "UINT") o->check(kDecimal);
-    if (base == "UINT") o->check(kNotNegative);
+    // transform(): put in front of the option's validators (check() appends); neither
+    // changes the value.
+    if (base == "INT" || base == "UINT") o->transform(kDecimal);
+    if (base == "UINT") o->transform(kNotNegative);
   }
   for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) RequireDecimalIntegers(*sub);
 }
