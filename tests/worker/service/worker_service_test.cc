@@ -727,5 +727,53 @@ TEST(WorkerService, PrefillLengthErrorNamesItsOwnFields) {
   EXPECT_NE(s.error_message().find("--max-model-len=64"), std::string::npos) << s.error_message();
 }
 
+// A request that could never fit the worker's arena is refused up front, naming its own
+// fields and --num-blocks: it used to fail on the engine thread in the runner's terms
+// (prompt_tokens, num_blocks; max_new_tokens even for a Prefill), or, on a real-shape
+// preset (accounting), as RESOURCE_EXHAUSTED, as if a retry could help.
+TEST(WorkerService, RequestLargerThanTheArenaNamesItsFields) {
+  for (const std::string model : {"tiny-gqa", "llama-3.3-70b"}) {
+    SCOPED_TRACE(model);
+    Cluster cl("arena-" + model);
+    WorkerConfig c;
+    c.model = model;
+    c.num_blocks = 4;  // 3 pages of 16 (tiny-gqa) or llama's block tokens
+    cl.StartWorker(c);
+    auto stub = v1::Worker::NewStub(
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", cl.worker_port(0)), grpc::InsecureChannelCredentials()));
+    {
+      v1::PrefillRequest req;
+      for (int i = 0; i < 1000; ++i) req.add_tokens(1);
+      grpc::ClientContext ctx;
+      v1::GenerateResponse resp;
+      grpc::Status s = stub->Prefill(&ctx, req, &resp);
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+      EXPECT_EQ(s.error_message().find("max_new_tokens"), std::string::npos) << s.error_message();
+      EXPECT_NE(s.error_message().find("tokens (1000)"), std::string::npos) << s.error_message();
+      EXPECT_NE(s.error_message().find("--num-blocks=4"), std::string::npos) << s.error_message();
+    }
+    {
+      v1::GenerateRequest req;
+      for (int i = 0; i < 1000; ++i) req.add_tokens(1);
+      req.set_max_new_tokens(2);
+      grpc::ClientContext ctx;
+      v1::GenerateResponse resp;
+      grpc::Status s = stub->Generate(&ctx, req, &resp);
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+      EXPECT_NE(s.error_message().find("max_new_tokens (2)"), std::string::npos) << s.error_message();
+      EXPECT_NE(s.error_message().find("--num-blocks=4"), std::string::npos) << s.error_message();
+    }
+    {  // One that fits still runs.
+      v1::GenerateRequest req;
+      for (int i = 0; i < 8; ++i) req.add_tokens(1);
+      req.set_max_new_tokens(2);
+      grpc::ClientContext ctx;
+      v1::GenerateResponse resp;
+      grpc::Status s = stub->Generate(&ctx, req, &resp);
+      EXPECT_TRUE(s.ok()) << s.error_message();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvpool::worker

@@ -446,6 +446,12 @@ void Engine::Respond(Pending& p, absl::StatusOr<model::GenerateResult> r) {
   Answer(p, std::move(out));
 }
 
+int64_t Engine::PagesNeeded(int64_t prompt_tokens, int64_t max_new_tokens) const {
+  if (runner_ != nullptr) return runner_->PagesNeeded(prompt_tokens, max_new_tokens);
+  const int64_t b = cfg_.spec.block_tokens;
+  return (prompt_tokens + b - 1) / b;
+}
+
 void Engine::AdmitAccounting(Pending& p) {
   const int64_t n = static_cast<int64_t>(p.req.tokens.size());
   const cache::RequestId id = next_accounting_id_++;

@@ -41,6 +41,7 @@ class WorkerService final : public v1::Worker::Service {
   }
   grpc::Status Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req, v1::GenerateResponse* resp) override {
     if (req->max_new_tokens() > kMaxNewTokens) {
+      engine_->ReleaseRefusedDecision(req->router_decision_id());
       return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
           "max_new_tokens=", req->max_new_tokens(), " is above ", kMaxNewTokens, "; ask for fewer")));
     }
@@ -81,6 +82,18 @@ class WorkerService final : public v1::Worker::Service {
                                                      ") exceeds this worker's --max-model-len=", cfg_.max_model_len,
                                                      "; shorten the prompt or ask for fewer tokens"));
     }
+    // A request that could never fit the arena fails here, naming its own fields (the
+    // engine would refuse it in its terms, or answer RESOURCE_EXHAUSTED as if a retry
+    // could help).
+    const int64_t need = engine_->PagesNeeded(tokens.size(), max_new_tokens);
+    if (need > engine_->num_blocks() - 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          prefill ? absl::StrCat("tokens (", tokens.size(), ") and the one token Prefill generates")
+                  : absl::StrCat("tokens (", tokens.size(), ") + max_new_tokens (", max_new_tokens, ")"),
+          " need ", need, " KV pages but this worker has ", engine_->num_blocks() - 1, " (--num-blocks=",
+          engine_->num_blocks(), " less the null page); shorten the prompt",
+          prefill ? "" : " or ask for fewer tokens", ", or raise --num-blocks"));
+    }
     if (salt.size() > 256) {
       return absl::InvalidArgumentError(absl::StrCat("tenant_salt has ", salt.size(), " bytes; at most 256"));
     }
@@ -90,7 +103,10 @@ class WorkerService final : public v1::Worker::Service {
   grpc::Status Run(grpc::ServerContext* ctx, const std::string& request_id,
                    const google::protobuf::RepeatedField<uint32_t>& tokens, int32_t max_new_tokens,
                    const std::string& salt, uint64_t decision_id, v1::GenerateResponse* resp, bool prefill) {
-    if (absl::Status s = Validate(request_id, tokens, max_new_tokens, salt, prefill); !s.ok()) return ToGrpcStatus(s);
+    if (absl::Status s = Validate(request_id, tokens, max_new_tokens, salt, prefill); !s.ok()) {
+      engine_->ReleaseRefusedDecision(decision_id);  // or the router counts it as load until its timeout
+      return ToGrpcStatus(s);
+    }
     EngineRequest er;
     er.request_id = request_id.empty() ? absl::StrCat(cfg_.instance_id, "-", next_id_.fetch_add(1)) : request_id;
     er.tokens.assign(tokens.begin(), tokens.end());

@@ -215,6 +215,11 @@ class ModelRunner {
   const cache::KvCacheManager& cache() const { return *cache_; }
   const RunnerOptions& options() const { return options_; }
 
+  // Pages a sequence may hold over its life: blocks of prompt + max_new_tokens - 1
+  // tokens, and for hybrids its live KDA state and the checkpoints it saves. A request
+  // needing more than num_blocks - 1 is refused.
+  int64_t PagesNeeded(int64_t prompt_tokens, int64_t max_new_tokens) const;
+
  private:
   struct Sequence;
   struct Segment;
@@ -230,9 +235,6 @@ class ModelRunner {
   absl::Status ApplyAllocation(Sequence& seq, const cache::SlotAllocation& alloc,
                                Segment& segment, PendingPages& pending);
   void Finish(Sequence& seq, absl::Status status);
-  // Pages a sequence may hold over its life: blocks of prompt + max_new_tokens - 1
-  // tokens, and for hybrids its live KDA state and the checkpoints it saves.
-  int64_t PagesNeeded(int64_t prompt_tokens, int64_t max_new_tokens) const;
   // Step without the failure handling.
   absl::StatusOr<std::vector<SequenceId>> StepOnce();
   // FAILED_PRECONDITION once a step has failed.
