@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <dlfcn.h>
+#include <sys/mman.h>
 #include <sys/shm.h>
 #include <sys/utsname.h>
 
@@ -36,6 +37,20 @@ extern "C" ucs_status_ptr_t ucp_ep_close_nbx(ucp_ep_h ep, const ucp_request_para
   ucs_status_ptr_t r = real(ep, param);
   if (UCS_PTR_IS_ERR(r)) g_ep_close_errors.fetch_add(1);
   return r;
+}
+
+// Fails every shmget while set: an arena allocated meanwhile falls back to UCX's own
+// allocation (UCX's SysV allocator fails too, so its POSIX one serves), which peers on
+// this host reach through UCX's mapping of its rkey.
+std::atomic<bool> g_fail_shmget{false};
+extern "C" int shmget(key_t key, size_t size, int flags) {
+  using Fn = int (*)(key_t, size_t, int);
+  static const Fn real = reinterpret_cast<Fn>(dlsym(RTLD_NEXT, "shmget"));
+  if (g_fail_shmget.load()) {
+    errno = ENOSPC;
+    return -1;
+  }
+  return real(key, size, flags);
 }
 
 // Fails the n-th send of active message g_fail_send_id from now (1-based; 0: none) at
@@ -1101,6 +1116,76 @@ INSTANTIATE_TEST_SUITE_P(
                       Mode{"ShmAm", "sm,self", Protocol::kActiveMessage, Protocol::kActiveMessage},
                       Mode{"TcpAuto", "tcp", Protocol::kAuto, Protocol::kActiveMessage}),
     [](const ::testing::TestParamInfo<Mode>& i) { return std::string(i.param.name); });
+
+// A client Worker destroyed while one of its threads copies into an owner's fallback
+// arena (mapped by UCX, not by this code) waits for that copy: the mapping goes with the
+// rkey, which Shutdown used to destroy under the running memcpy (a fault, or bytes
+// landing in whatever was mapped there next).
+TEST(FallbackArena, WorkerDestroyedDuringAMappedCopyKeepsTheMappingUntilItEnds) {
+  ContextOptions co;
+  co.ucx_config.push_back({"TLS", "sm,self"});
+  auto oc = Context::Create(co);
+  ASSERT_TRUE(oc.ok()) << oc.status();
+  auto cc = Context::Create(co);
+  ASSERT_TRUE(cc.ok()) << cc.status();
+  auto owner = Worker::Create(*oc, {});
+  ASSERT_TRUE(owner.ok()) << owner.status();
+  auto client = Worker::Create(*cc, {});
+  ASSERT_TRUE(client.ok()) << client.status();
+  g_fail_shmget.store(true);
+  auto oa = (*owner)->AllocateArena(16 * kOwnerPage, kOwnerPage);
+  g_fail_shmget.store(false);
+  ASSERT_TRUE(oa.ok()) << oa.status();
+  ASSERT_EQ((*oa)->descriptor().shm_id, -1) << "the arena did not fall back to UCX's allocation";
+  std::vector<std::byte> mem(4 * kClientPage, std::byte{0x5A});
+  auto ca = (*client)->RegisterArena(mem, kClientPage);
+  ASSERT_TRUE(ca.ok()) << ca.status();
+  auto ep = (*client)->Connect((*owner)->address(), "owner");
+  ASSERT_TRUE(ep.ok()) << ep.status();
+  ASSERT_TRUE((*ep)->ImportArena((*oa)->descriptor()).ok());
+  ASSERT_EQ((*ep)->protocol(), Protocol::kRma);
+
+  std::promise<void> entered;
+  std::atomic<bool> destroying{false};
+  std::atomic<int> copies{0}, unmapped{0};
+  ByteCopier copier = [&](size_t, std::byte* dst, const std::byte* src, size_t n, bool) {
+    if (copies.fetch_add(1) == 0) {
+      entered.set_value();
+      while (!destroying.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      // Time for a Shutdown that does not wait to get as far as destroying the rkeys.
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    unsigned char v;
+    auto* page = reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(dst) & ~uintptr_t{4095});
+    if (mincore(page, 4096, &v) != 0) {  // ENOMEM: nothing is mapped there any more
+      unmapped.fetch_add(1);
+      return;
+    }
+    std::memcpy(dst, src, n);
+  };
+  std::promise<absl::Status> done;
+  std::thread submitter([&] {
+    std::vector<TransferOp> ops(1);
+    ops[0].local = PageRun{(*ca)->id(), {0, 1}, 2 * kClientPage};
+    ops[0].remote = PageRun{(*oa)->descriptor().arena_id, {0, 1, 2, 3}, 2 * kClientPage};
+    absl::Status st = (*ep)->PutAsync(
+        std::move(ops), [&](absl::Status s) { done.set_value(std::move(s)); },
+        [](size_t, std::span<const std::byte>) {}, copier);
+    if (!st.ok()) done.set_value(st);
+  });
+  std::future<absl::Status> result = done.get_future();
+  if (entered.get_future().wait_for(std::chrono::seconds(30)) != std::future_status::ready) {
+    destroying.store(true);
+    submitter.join();
+    FAIL() << "the put was not copied by this process: " << result.get();
+  }
+  destroying.store(true);
+  ep->reset();
+  client->reset();  // waits for the copy above
+  submitter.join();
+  EXPECT_EQ(unmapped.load(), 0);
+  EXPECT_TRUE(result.get().ok());
+}
 
 // An arena imported again (same arena id, another descriptor) while a large RMA put to
 // the first import is in flight: that put still goes to the first import's memory with

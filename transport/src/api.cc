@@ -136,6 +136,7 @@ absl::Status WorkerImpl::Submit(const std::shared_ptr<EndpointImpl>& ep, Directi
     CallerLock l(this);
     if (closed_) return absl::UnavailableError("transport worker is shut down");
     mapped = MapSegments(*b);
+    if (mapped) mapped_copies_.fetch_add(1, std::memory_order_relaxed);  // under ucx_mu_, see Shutdown
     if (!mapped) {
       const uint64_t id = next_batch_;
       StartBatch(std::move(b));
@@ -152,6 +153,7 @@ absl::Status WorkerImpl::Submit(const std::shared_ptr<EndpointImpl>& ep, Directi
     // Every byte is mapped here: a memcpy on this thread, outside the lock. The batch
     // holds the arenas and imports (and so the mappings) until it is destroyed here.
     absl::Status st = RunMapped(*b);
+    mapped_copies_.fetch_sub(1, std::memory_order_release);  // the mappings may go now
     if (b->done) b->done(std::move(st));
   }
   for (auto& [fn, status] : ready) fn(std::move(status));

@@ -273,6 +273,11 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   // submitter around starting its batch. Never held while a user callback runs.
   absl::Mutex ucx_mu_;
   bool closed_ ABSL_GUARDED_BY(ucx_mu_) = false;
+  // Submit's copies into or out of mapped peer memory, running outside ucx_mu_: counted
+  // up under it (while !closed_), down when the copy is done. Shutdown waits for none to
+  // be left before it destroys rkeys: a fallback arena's mapping is UCX's, released with
+  // its rkey, so a copy still running would read or write unmapped memory.
+  std::atomic<int> mapped_copies_{0};
   // Finished batches' callbacks, run by RunCallbacks after ucx_mu_ is released.
   std::vector<std::pair<BatchCallback, absl::Status>> ready_ ABSL_GUARDED_BY(ucx_mu_);
   void RunCallbacks();

@@ -29,11 +29,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <future>
 #include <random>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -328,6 +330,11 @@ void WorkerImpl::Shutdown() {
   }
   absl::MutexLock l(&ucx_mu_);
   closed_ = true;
+  // No mapped copy starts from now on (Submit checks closed_ under ucx_mu_); those
+  // running end on their own, without UCX (a memcpy and the caller's copier).
+  while (mapped_copies_.load(std::memory_order_acquire) > 0) {
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
   if (worker_ != nullptr) {
     // Rkeys are the worker's: destroy those still held (by batches UCX never let go of,
     // see the drain in Loop) now, before it. Every endpoint was reaped by the drain, so
