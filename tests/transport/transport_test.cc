@@ -39,6 +39,22 @@ extern "C" ucs_status_ptr_t ucp_ep_close_nbx(ucp_ep_h ep, const ucp_request_para
   return r;
 }
 
+// Added to CLOCK_REALTIME readings while nonzero: a wall-clock step, as NTP or `date -s`
+// makes one (every clock_gettime in this binary and its libraries comes here first).
+std::atomic<int64_t> g_realtime_offset_ns{0};
+extern "C" int clock_gettime(clockid_t clock, struct timespec* ts) {
+  using Fn = int (*)(clockid_t, struct timespec*);
+  static const Fn real = reinterpret_cast<Fn>(dlsym(RTLD_NEXT, "clock_gettime"));
+  const int r = real(clock, ts);
+  const int64_t off = g_realtime_offset_ns.load(std::memory_order_relaxed);
+  if (r == 0 && off != 0 && clock == CLOCK_REALTIME) {
+    const int64_t ns = int64_t{ts->tv_sec} * 1'000'000'000 + ts->tv_nsec + off;
+    ts->tv_sec = ns / 1'000'000'000;
+    ts->tv_nsec = ns % 1'000'000'000;
+  }
+  return r;
+}
+
 // Fails every shmget while set: an arena allocated meanwhile falls back to UCX's own
 // allocation (UCX's SysV allocator fails too, so its POSIX one serves), which peers on
 // this host reach through UCX's mapping of its rkey.
@@ -655,6 +671,31 @@ class RawAmPeer {
 // Replies count only from the endpoint the batch went out on, once per message: batch ids
 // are sequential, so any peer could otherwise complete (and fill the pages of) another
 // peer's batch, and a duplicate reply would stand in for a missing one.
+// Batch deadlines follow the monotonic clock: the wall clock stepped back two minutes
+// under a batch to a peer that never answers still fails it after batch_timeout (3 s
+// here), not two minutes later.
+// (The raw UCX test peer connects over tcp: this suite runs the tcp mode only.)
+using TcpTransportTest = TransportTest;
+TEST_P(TcpTransportTest, WallClockStepBackDoesNotStretchADeadline) {
+  RawAmPeer peer;
+  auto ep = client_->Connect(peer.address(), "raw-clock");
+  ASSERT_TRUE(ep.ok()) << ep.status();
+  ASSERT_TRUE((*ep)->ImportArena(remote_).ok());
+  std::promise<absl::Status> p;
+  std::future<absl::Status> f = p.get_future();
+  ASSERT_TRUE((*ep)->GetAsync({{Local({0}), Remote({0, 1})}}, [&](absl::Status s) { p.set_value(std::move(s)); }).ok());
+  g_realtime_offset_ns.store(int64_t{-120} * 1'000'000'000);
+  // The peer records the request and never answers; 30 s is a guard, ten times the timeout.
+  const auto guard = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (f.wait_for(std::chrono::seconds(0)) != std::future_status::ready && std::chrono::steady_clock::now() < guard) {
+    peer.Progress(absl::Milliseconds(1));
+  }
+  g_realtime_offset_ns.store(0);
+  ASSERT_EQ(f.wait_for(std::chrono::seconds(0)), std::future_status::ready)
+      << "the batch outlived its 3 s timeout by 30 s once the wall clock went back";
+  EXPECT_EQ(f.get().code(), absl::StatusCode::kDeadlineExceeded);
+}
+
 TEST_P(TransportTest, RepliesCountOnlyFromTheBatchsPeerAndOncePerMessage) {
   if (std::string(GetParam().tls) != "tcp") GTEST_SKIP() << "the raw UCX test peer connects over tcp; this mode's workers have shared memory only";
   RawAmPeer peer;
@@ -1109,6 +1150,10 @@ TEST_P(TransportTest, ObserverRunsWhileTheDroppedLocalArenaIsStillHeld) {
     EXPECT_TRUE(alive.load());
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Tcp, TcpTransportTest,
+                         ::testing::Values(Mode{"TcpAuto", "tcp", Protocol::kAuto, Protocol::kActiveMessage}),
+                         [](const ::testing::TestParamInfo<Mode>& i) { return std::string(i.param.name); });
 
 INSTANTIATE_TEST_SUITE_P(
     Protocols, TransportTest,

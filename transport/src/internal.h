@@ -14,6 +14,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -31,6 +32,16 @@
 #include "kvpool/transport/transport.h"
 
 namespace kvpool::transport {
+
+// The transport's clock: monotonic (std::chrono::steady_clock), as nanoseconds or as an
+// absl::Time that only ever meets other MonoNow() values. Batch deadlines, peer checks and
+// the progress hand-off follow it, so a wall-clock step (NTP, `date -s`) neither fails
+// every batch in flight at once nor stretches a deadline by the step.
+inline int64_t MonoNanos() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+inline absl::Time MonoNow() { return absl::FromUnixNanos(MonoNanos()); }
 
 // Worker address bytes: our framing around the UCX address (see worker.cc).
 std::string WrapAddress(absl::string_view ucx);
@@ -282,7 +293,7 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   std::vector<std::pair<BatchCallback, absl::Status>> ready_ ABSL_GUARDED_BY(ucx_mu_);
   void RunCallbacks();
   bool ProgressFromCaller();
-  // When a caller last drove progress (Worker::Progress), absl::GetCurrentTimeNanos;
+  // When a caller last drove progress (Worker::Progress), MonoNanos;
   // relaxed: a hint for the progress thread to back off, nothing is published through it.
   std::atomic<int64_t> external_progress_ns_{0};
   // Callers inside Worker::Progress now (the progress thread stays out meanwhile).

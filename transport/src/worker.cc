@@ -244,7 +244,7 @@ bool EndpointImpl::PeerProcessGone() const {
   // One system call per batch cost 1 MiB shared-memory puts here ~20% (each call ~1 us
   // on this VM, the copy ~20-25 us; 0.84-0.88 of ucx_perftest before, 1.04-1.12 after):
   // look again only once the last look is old enough.
-  const int64_t now = absl::GetCurrentTimeNanos();
+  const int64_t now = MonoNanos();
   int64_t last = peer_checked_ns_.load(std::memory_order_relaxed);
   if (now - last < kPeerCheckIntervalNs ||
       !peer_checked_ns_.compare_exchange_strong(last, now, std::memory_order_relaxed)) {
@@ -376,7 +376,7 @@ bool WorkerImpl::ProgressFromCaller() {
   };
   {
     const Inside inside(callers_progressing_);
-    external_progress_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed);
+    external_progress_ns_.store(MonoNanos(), std::memory_order_relaxed);
     {
       CallerLock l(this);
       if (closed_) return false;
@@ -386,7 +386,7 @@ bool WorkerImpl::ProgressFromCaller() {
       if (!retired_.empty()) SweepRkeys();
       ready.swap(ready_);  // taken here rather than under a second lock in RunCallbacks
     }
-    external_progress_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed);
+    external_progress_ns_.store(MonoNanos(), std::memory_order_relaxed);
   }
   for (auto& [done, status] : ready) done(std::move(status));
   return progressed;
@@ -395,7 +395,7 @@ bool WorkerImpl::ProgressFromCaller() {
 int64_t WorkerImpl::CallerWindowLeftNs() const {
   if (callers_progressing_.load(std::memory_order_relaxed) > 0) return kCallerProgressNs;
   return external_progress_ns_.load(std::memory_order_relaxed) + kCallerProgressNs -
-         absl::GetCurrentTimeNanos();
+         MonoNanos();
 }
 
 absl::Status WorkerImpl::RunSync(std::function<absl::Status()> fn) {
@@ -428,7 +428,7 @@ void WorkerImpl::RunQueue() {
 }
 
 void WorkerImpl::Loop() {
-  absl::Time last_progress = absl::Now();
+  absl::Time last_progress = MonoNow();
   int contended = 0;          // rounds in a row that found ucx_mu_ held by a caller
   bool was_inflight = false;  // the last round had work in flight
   uint64_t seen_submitted = 0;  // submitted_ as of the last round under ucx_mu_
@@ -469,7 +469,7 @@ void WorkerImpl::Loop() {
         RunQueue();
       }
       if (queued) RunCallbacks();
-      last_progress = absl::Now();
+      last_progress = MonoNow();
       continue;
     }
     // Never queue behind a caller's thread for ucx_mu_ (Submit copies shared-memory
@@ -514,7 +514,7 @@ void WorkerImpl::Loop() {
     ucx_mu_.Unlock();
     for (auto& [done, status] : ready) done(std::move(status));
     if (progressed) {
-      last_progress = absl::Now();
+      last_progress = MonoNow();
       continue;
     }
     // While transfers are in flight (batches of ours, or peers' requests we serve), keep
@@ -526,13 +526,13 @@ void WorkerImpl::Loop() {
     // (a stuck reply to a dead peer, a peer starved of CPU) it sleeps in epoll as before.
     // spin = 0 keeps the sleeping behaviour.
     if (inflight && options_.spin > absl::ZeroDuration() &&
-        absl::Now() - last_progress < kInflightPoll) {
+        MonoNow() - last_progress < kInflightPoll) {
       continue;
     }
     // Keep polling for a while after the last event, in flight or not: peers' software
     // RMA (UCX emulates put/get over shared memory with AM that this side must answer)
     // and the next request of a burst arrive within microseconds; idle, sleep.
-    if (absl::Now() - last_progress < options_.spin) continue;
+    if (MonoNow() - last_progress < options_.spin) continue;
     {
       absl::MutexLock l(&mu_);
       if (!queue_.empty()) continue;
@@ -581,9 +581,9 @@ void WorkerImpl::Loop() {
       to_close_.push_back(ep);
     }
     ReapClosedEndpoints();
-    const absl::Time end = absl::Now() + absl::Seconds(2);
+    const absl::Time end = MonoNow() + absl::Seconds(2);
     while ((!closing_reqs_.empty() || owner_inflight_ > 0 || !batches_.empty()) &&
-           absl::Now() < end) {
+           MonoNow() < end) {
       ucp_worker_progress(worker_);
       ReapClosedEndpoints();
     }
@@ -1292,7 +1292,7 @@ void WorkerImpl::MaybeFree(uint64_t id) {
 }
 
 void WorkerImpl::CheckDeadlines() {
-  const absl::Time now = absl::Now();
+  const absl::Time now = MonoNow();
   if (now - last_deadline_check_ < absl::Milliseconds(5)) return;
   last_deadline_check_ = now;
   // Late: unfinished, or failed but still held by requests or replies (e.g. one part
