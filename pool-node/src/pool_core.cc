@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core_impl.h"
+#include "kvpool/common/clock.h"
 #include "kvpool/common/status.h"
 #include "kvpool/common/units.h"
 #include "spdlog/spdlog.h"
@@ -21,20 +22,15 @@ constexpr int kN = static_cast<int>(Tier::kNvme);
 constexpr size_t kMaxBatch = 4096;
 constexpr int64_t kMaxReserveTimeoutMs = 86'400'000;  // a day: expiry sums stay far from overflow
 
-template <typename C>
-int64_t ChronoMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(C::now().time_since_epoch()).count();
-}
+class SystemClockImpl : public Clock {
+ public:
+  int64_t NowMs() const override { return absl::ToUnixMillis(MonotonicNow()); }
+};
 
 }  // namespace
 
-AnchoredClock::AnchoredClock() : AnchoredClock(ChronoMs<std::chrono::system_clock>, ChronoMs<std::chrono::steady_clock>) {}
-
-AnchoredClock::AnchoredClock(std::function<int64_t()> wall_ms, std::function<int64_t()> steady_ms)
-    : steady_ms_(std::move(steady_ms)), anchor_wall_ms_(wall_ms()), anchor_steady_ms_(steady_ms_()) {}
-
 Clock* SystemClock() {
-  static AnchoredClock clock;
+  static SystemClockImpl clock;
   return &clock;
 }
 

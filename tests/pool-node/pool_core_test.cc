@@ -49,20 +49,6 @@ class PoolCoreTest : public ::testing::Test {
   RecordingSink sink_;
 };
 
-// The node's clock follows the monotonic clock from the Unix time it started at: a step
-// of the wall clock (either way) moves no expiry.
-TEST(AnchoredClockTest, WallClockStepsMoveNothing) {
-  int64_t wall = 1'800'000'000'000, steady = 50;
-  const AnchoredClock clock([&] { return wall; }, [&] { return steady; });
-  EXPECT_EQ(clock.NowMs(), 1'800'000'000'000);
-  steady += 10;
-  wall += 3'600'000;  // an hour forward, as a late NTP sync would
-  EXPECT_EQ(clock.NowMs(), 1'800'000'000'010);
-  steady += 5;
-  wall -= 7'200'000;  // two hours back
-  EXPECT_EQ(clock.NowMs(), 1'800'000'000'015);
-}
-
 TEST_F(PoolCoreTest, PutLookupGetRoundTripIsByteExact) {
   auto core = Make(64);
   // Sizes that do and do not fill their last page.

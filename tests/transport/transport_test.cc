@@ -21,6 +21,7 @@
 #include <random>
 #include <thread>
 
+#include "../clock_step.h"  // g_realtime_offset_ns
 #include "../../transport/src/internal.h"  // AmHeader, kAm*, WrapAddress: the wire format
 #include "kvpool/transport/page_view.h"
 #include "test_util.h"
@@ -36,22 +37,6 @@ extern "C" ucs_status_ptr_t ucp_ep_close_nbx(ucp_ep_h ep, const ucp_request_para
   static const Fn real = reinterpret_cast<Fn>(dlsym(RTLD_NEXT, "ucp_ep_close_nbx"));
   ucs_status_ptr_t r = real(ep, param);
   if (UCS_PTR_IS_ERR(r)) g_ep_close_errors.fetch_add(1);
-  return r;
-}
-
-// Added to CLOCK_REALTIME readings while nonzero: a wall-clock step, as NTP or `date -s`
-// makes one (every clock_gettime in this binary and its libraries comes here first).
-std::atomic<int64_t> g_realtime_offset_ns{0};
-extern "C" int clock_gettime(clockid_t clock, struct timespec* ts) {
-  using Fn = int (*)(clockid_t, struct timespec*);
-  static const Fn real = reinterpret_cast<Fn>(dlsym(RTLD_NEXT, "clock_gettime"));
-  const int r = real(clock, ts);
-  const int64_t off = g_realtime_offset_ns.load(std::memory_order_relaxed);
-  if (r == 0 && off != 0 && clock == CLOCK_REALTIME) {
-    const int64_t ns = int64_t{ts->tv_sec} * 1'000'000'000 + ts->tv_nsec + off;
-    ts->tv_sec = ns / 1'000'000'000;
-    ts->tv_nsec = ns % 1'000'000'000;
-  }
   return r;
 }
 

@@ -3,6 +3,7 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "kvpool/common/clock.h"
 #include "kvpool/common/status.h"
 
 namespace kvpool::router {
@@ -49,7 +50,7 @@ absl::StatusOr<std::unique_ptr<RouterHost>> RouterHost::Create(RouterHostOptions
 RouterHost::RouterHost(RouterHostOptions options, MetricsRegistry* metrics, Clock clock)
     : options_(std::move(options)),
       metrics_(metrics),
-      clock_(clock ? std::move(clock) : Clock([] { return absl::Now(); })) {}
+      clock_(clock ? std::move(clock) : Clock([] { return MonotonicNow(); })) {}
 
 RouterHost::~RouterHost() {
   {

@@ -1,6 +1,7 @@
 #include "pool_tier.h"
 
 #include "absl/strings/str_cat.h"
+#include "kvpool/common/clock.h"
 #include "kvpool/common/status.h"
 #include "kvpool/common/units.h"
 #include "kvpool/transport/transport.h"
@@ -58,7 +59,7 @@ PoolTier::~PoolTier() {
 pool_node::PoolClient* PoolTier::Client(size_t node) {
   Node& n = nodes_[node];
   if (n.client) return n.client.get();
-  if (absl::Now() < n.down_until) return nullptr;
+  if (MonotonicNow() < n.down_until) return nullptr;
   pool_node::PoolClientOptions o;
   o.node_address = n.address;
   o.client_id = opts_.client_id;
@@ -101,7 +102,7 @@ void PoolTier::MarkDown(size_t node, const absl::Status& why) {
   }
   n.client.reset();
   n.last_error = std::string(why.message());
-  n.down_until = absl::Now() + opts_.retry_after;
+  n.down_until = MonotonicNow() + opts_.retry_after;
 }
 
 size_t PoolTier::live_nodes() const {

@@ -54,23 +54,11 @@ class Clock {
   virtual int64_t NowMs() const = 0;
 };
 
-// The node's clock: the Unix time when it was made plus the monotonic time since. A
+// The node's clock: kvpool::MonotonicNow (kvpool/common/clock.h) in milliseconds. A
 // wall-clock step (NTP, an operator's `date -s`) moves no expiry: a jump forward would
-// otherwise end every reservation and its held-back window at once, while a slow
-// writer may still be writing into those pages. `wall_ms` and `steady_ms` are
-// injectable for tests; by default std::chrono's system and steady clocks.
-class AnchoredClock : public Clock {
- public:
-  AnchoredClock();
-  AnchoredClock(std::function<int64_t()> wall_ms, std::function<int64_t()> steady_ms);
-  int64_t NowMs() const override { return anchor_wall_ms_ + (steady_ms_() - anchor_steady_ms_); }
-
- private:
-  std::function<int64_t()> steady_ms_;
-  int64_t anchor_wall_ms_;
-  int64_t anchor_steady_ms_;
-};
-Clock* SystemClock();  // a process-wide AnchoredClock
+// otherwise end every reservation and its held-back window at once, while a slow writer
+// may still be writing into those pages.
+Clock* SystemClock();
 
 // A clock that moves only when told to (tests).
 class ManualClock : public Clock {

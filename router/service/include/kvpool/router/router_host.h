@@ -53,7 +53,8 @@ class RouterHost {
   using Clock = std::function<absl::Time()>;
   using Done = std::function<void(absl::StatusOr<EventsResult>)>;
 
-  // `metrics` may be null; otherwise it must outlive the host. `clock` defaults to absl::Now.
+  // `metrics` may be null; otherwise it must outlive the host. `clock` defaults to MonotonicNow
+  // (kvpool/common/clock.h: wall-clock steps move no heartbeat or decision timeout).
   static absl::StatusOr<std::unique_ptr<RouterHost>> Create(RouterHostOptions options,
                                                             MetricsRegistry* metrics, Clock clock = nullptr);
   ~RouterHost();  // stops the applier; pending batches complete with UNAVAILABLE
