@@ -360,7 +360,7 @@ void PoolCore::Impl::HoldBack(std::vector<uint32_t> pages, int64_t now) {
 
 std::string PoolCore::Impl::HeldBackNote() const {
   if (dram_quarantine_.empty()) return "";
-  return absl::StrCat(", and ", dram_quarantined_pages_, " pages are held back from timed-out reservations (free again within ",
+  return absl::StrCat(", and ", dram_quarantined_pages_, " pages are held back from timed-out reservations or failed checksums (free again within ",
                       opt_.reserve_timeout_ms, " ms)");
 }
 

@@ -109,6 +109,14 @@ grpc::Status PoolNodeService::Done(Method method, const absl::Status& s) {
 }
 
 namespace {
+// The *_unix_ms display fields, on this host's wall clock (what a client would compare
+// them with): now + the time left. The node's own expiries run on its monotonic clock,
+// which a wall-clock step after start leaves behind.
+int64_t WallMsPlus(int64_t ms) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+             .count() +
+         ms;
+}
 grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* ctx, grpc::Status s) {
   grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
   r->Finish(std::move(s));
@@ -226,7 +234,7 @@ grpc::Status PoolNodeService::FinishLookup(absl::StatusOr<LookupAnswer> ans, v1:
   if (!ans.ok()) return Done(kLookup, ans.status());
   resp->set_prefix_blocks(ans->prefix_blocks);
   resp->set_lease_id(ans->lease_id);
-  resp->set_lease_expires_unix_ms(ans->lease_expires_unix_ms);
+  resp->set_lease_expires_unix_ms(ans->lease_id != 0 ? WallMsPlus(ans->lease_ttl_ms) : 0);
   resp->set_lease_ttl_ms(ans->lease_ttl_ms);
   resp->mutable_objects()->Reserve(ans->objects.size());
   for (const ObjectDesc& d : ans->objects) {
@@ -268,7 +276,7 @@ grpc::Status PoolNodeService::Reserve(grpc::ServerContext*, const v1::ReserveReq
   auto r = core_->Reserve(entries);
   if (!r.ok()) return Done(kReserve, r.status());
   resp->set_reservation_id(r->id);
-  resp->set_expires_unix_ms(r->expires_unix_ms);
+  resp->set_expires_unix_ms(WallMsPlus(r->ttl_ms));
   resp->set_ttl_ms(r->ttl_ms);
   for (const ReserveSlot& slot : r->slots) {
     v1::ReserveResult* o = resp->add_results();

@@ -108,7 +108,7 @@ TEST_F(PoolCoreTest, CommittedObjectsAreImmutableAndReReserveSaysPresent) {
   EXPECT_TRUE(r->slots[0].run.pages.empty());
 }
 
-TEST_F(PoolCoreTest, ChecksumMismatchAtCommitIsDataLossAndFreesPages) {
+TEST_F(PoolCoreTest, ChecksumMismatchAtCommitIsDataLossAndHoldsItsPagesBack) {
   auto core = Make(8);
   const std::string bytes = Pattern(7, 3 * kPage);
   ReserveEntrySpec e{H(7), std::nullopt, StateKind::kAttnKv, bytes.size()};

@@ -950,7 +950,7 @@ TEST_F(ServiceTest, GetStopsAtTheBatchWhereItsLeaseRanOut) {
   auto put = client->Put(items);
   ASSERT_TRUE(put.ok() && (*put)[0].ok() && (*put)[1].ok());
   auto lease = client->Lookup(std::vector<BlockHash>{items[0].hash, items[1].hash}, StateKind::kAttnKv,
-                                 /*lease_ms=*/300);
+                              /*lease_ms=*/2000);
   ASSERT_TRUE(lease.ok()) << lease.status();
   ASSERT_EQ(lease->prefix_blocks, 2u);
   ASSERT_TRUE(lease->usable_until.has_value());
@@ -1004,7 +1004,8 @@ TEST(LeaseTime, CountedOnTheClientsClockWhateverTheNodesSays) {
   lease = (*client)->Lookup(std::vector<BlockHash>{H(1400)}, StateKind::kAttnKv, /*lease_ms=*/1);
   ASSERT_TRUE(lease.ok()) << lease.status();
   ASSERT_EQ(lease->prefix_blocks, 1u);
-  EXPECT_GT(lease->expires_unix_ms, wall_ms + 3'000'000);  // far ahead on this host's wall clock
+  // Its display field is on this host's wall clock, whatever the node's clock says.
+  EXPECT_LT(lease->expires_unix_ms, wall_ms + 600'000);
   std::this_thread::sleep_for(std::chrono::milliseconds(2));
   EXPECT_EQ((*client)->Get(*lease, dst).code(), absl::StatusCode::kFailedPrecondition);
 }

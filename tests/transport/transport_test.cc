@@ -653,9 +653,6 @@ class RawAmPeer {
   std::vector<ucp_ep_h> eps_;
 };
 
-// Replies count only from the endpoint the batch went out on, once per message: batch ids
-// are sequential, so any peer could otherwise complete (and fill the pages of) another
-// peer's batch, and a duplicate reply would stand in for a missing one.
 // Batch deadlines follow the monotonic clock: the wall clock stepped back two minutes
 // under a batch to a peer that never answers still fails it after batch_timeout (3 s
 // here), not two minutes later.
@@ -681,6 +678,9 @@ TEST_P(TcpTransportTest, WallClockStepBackDoesNotStretchADeadline) {
   EXPECT_EQ(f.get().code(), absl::StatusCode::kDeadlineExceeded);
 }
 
+// Replies count only from the endpoint the batch went out on, once per message: batch ids
+// are sequential, so any peer could otherwise complete (and fill the pages of) another
+// peer's batch, and a duplicate reply would stand in for a missing one.
 TEST_P(TransportTest, RepliesCountOnlyFromTheBatchsPeerAndOncePerMessage) {
   if (std::string(GetParam().tls) != "tcp") GTEST_SKIP() << "the raw UCX test peer connects over tcp; this mode's workers have shared memory only";
   RawAmPeer peer;

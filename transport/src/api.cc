@@ -152,8 +152,16 @@ absl::Status WorkerImpl::Submit(const std::shared_ptr<EndpointImpl>& ep, Directi
   if (mapped) {
     // Every byte is mapped here: a memcpy on this thread, outside the lock. The batch
     // holds the arenas and imports (and so the mappings) until it is destroyed here.
-    absl::Status st = RunMapped(*b);
-    mapped_copies_.fetch_sub(1, std::memory_order_release);  // the mappings may go now
+    absl::Status st;
+    {
+      // Counted down however the copy ends (a copier or observer may throw): the
+      // mappings may go once it is over.
+      struct Done {
+        std::atomic<int>& n;
+        ~Done() { n.fetch_sub(1, std::memory_order_release); }
+      } done{mapped_copies_};
+      st = RunMapped(*b);
+    }
     if (b->done) b->done(std::move(st));
   }
   for (auto& [fn, status] : ready) fn(std::move(status));

@@ -328,13 +328,17 @@ void WorkerImpl::Shutdown() {
     ucp_worker_signal(worker_);
     thread_.join();
   }
-  absl::MutexLock l(&ucx_mu_);
-  closed_ = true;
+  {
+    absl::MutexLock l(&ucx_mu_);
+    closed_ = true;
+  }
   // No mapped copy starts from now on (Submit checks closed_ under ucx_mu_); those
-  // running end on their own, without UCX (a memcpy and the caller's copier).
+  // running end on their own, without UCX (a memcpy and the caller's copier, which may
+  // call into this worker: the lock is not held meanwhile).
   while (mapped_copies_.load(std::memory_order_acquire) > 0) {
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
+  absl::MutexLock l(&ucx_mu_);
   if (worker_ != nullptr) {
     // Rkeys are the worker's: destroy those still held (by batches UCX never let go of,
     // see the drain in Loop) now, before it. Every endpoint was reaped by the drain, so

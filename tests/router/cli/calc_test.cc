@@ -103,6 +103,8 @@ INSTANTIATE_TEST_SUITE_P(
                 "--concurrency: '04000' has a leading zero"},
         // strtoull wrapped -1 into 2^64 - 1 for unsigned options.
         BadCase{{"route", "--router", "127.0.0.1:1", "--prompt-tokens", "-1"}, "--prompt-tokens: '-1' is negative"},
+        BadCase{{"route", "--router", "127.0.0.1:1", "--prompt-tokens", " -1"}, "--prompt-tokens: ' -1' is negative"},
+        BadCase{{"calc", "kv", "--model", "llama-3.3-70b", "--context", " 010"}, "--context: ' 010' has a leading zero"},
         // 327,680 B x 1e14 overflowed int64 into a negative footprint.
         BadCase{{"calc", "kv", "--model", "llama-3.3-70b", "--context", "100000000000000"}, "--context"},
         BadCase{{"calc", "util", "--max-len", "4611686018427387904", "--page-size", "1"}, "--max-len"},

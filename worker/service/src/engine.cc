@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "kvpool/common/clock.h"
 #include "kvpool/common/cost_model.h"
 #include "kvpool/common/status.h"
 #include "kvpool/common/units.h"
@@ -154,7 +155,7 @@ absl::Status Engine::Submit(EngineRequest request, EngineDone done) {
   auto p = std::make_unique<Pending>();
   p->req = std::move(request);
   p->done = std::move(done);
-  p->arrived = absl::Now();
+  p->arrived = MonotonicNow();
   absl::MutexLock l(&mu_);
   if (stop_ || !started_) return absl::UnavailableError("the worker is shutting down; send the request elsewhere");
   queue_.push_back(std::move(p));
@@ -222,7 +223,7 @@ void Engine::Answer(Pending& p, absl::StatusOr<v1::GenerateResponse> r) {
 }
 
 void Engine::Admit(std::unique_ptr<Pending> p) {
-  p->admitted = absl::Now();
+  p->admitted = MonotonicNow();
   if (p->Cancelled()) {
     Answer(*p, absl::CancelledError("the client cancelled the request or its deadline passed"));
     return;
@@ -238,15 +239,15 @@ void Engine::Admit(std::unique_ptr<Pending> p) {
   // so at most (n - 1) / b blocks can be hits.
   const int64_t usable = (n - 1) / b;
   if (cfg_.runner.enable_prefix_caching && pool_ != nullptr && usable > 0 && cfg_.fetch != FetchMode::kNever) {
-    const absl::Time t0 = absl::Now();
+    const absl::Time t0 = MonotonicNow();
     const std::vector<BlockHash> chain = runner_->HashPrompt(p->req.tokens, p->req.tenant_salt);
     int64_t local = 0;
     while (local < usable && block_pool_->GetCachedBlock(chain[static_cast<size_t>(local)]) != cache::kNoBlock) ++local;
-    const absl::Time t1 = absl::Now();
+    const absl::Time t1 = MonotonicNow();
     p->local_hit_s = Seconds(t1 - t0);
     if (local < usable) {
       p->pool_tokens = FetchFromPool(chain, local, usable);
-      p->pool_fetch_s = Seconds(absl::Now() - t1);
+      p->pool_fetch_s = Seconds(MonotonicNow() - t1);
     }
   }
   model::GenerateRequest g;
@@ -264,7 +265,7 @@ void Engine::Admit(std::unique_ptr<Pending> p) {
 int64_t Engine::FetchFromPool(const std::vector<BlockHash>& chain, int64_t local, int64_t usable) {
   const int64_t b = cfg_.spec.block_tokens;
   const std::span<const BlockHash> rest(chain.data() + local, static_cast<size_t>(usable - local));
-  const absl::Time t0 = absl::Now();
+  const absl::Time t0 = MonotonicNow();
   PoolLookup blocks = pool_->Lookup(rest, StateKind::kAttnKv);
   int64_t run = 0;
   while (run < static_cast<int64_t>(rest.size()) && blocks.found[static_cast<size_t>(run)]) ++run;
@@ -293,7 +294,7 @@ int64_t Engine::FetchFromPool(const std::vector<BlockHash>& chain, int64_t local
       run = std::max<int64_t>(0, std::min(run, end - local));
     }
   }
-  const double lookup_s = Seconds(absl::Now() - t0);
+  const double lookup_s = Seconds(MonotonicNow() - t0);
   int64_t fetched_tokens = 0;
   if (run > 0) {
     const double bytes = static_cast<double>(run) * static_cast<double>(cfg_.spec.BlockBytes());
@@ -316,7 +317,7 @@ int64_t Engine::FetchFromPool(const std::vector<BlockHash>& chain, int64_t local
           std::span<const BlockHash>(chain.data(), k), std::span<const bool>(have.get(), k), want_ckpt);
       importing_ = false;
       if (plan.ok()) {
-        const absl::Time g0 = absl::Now();
+        const absl::Time g0 = MonotonicNow();
         std::vector<size_t> which;
         std::vector<std::vector<uint64_t>> dst;
         for (const model::ImportPlan::BlockSlot& s : plan->blocks) {
@@ -335,7 +336,7 @@ int64_t Engine::FetchFromPool(const std::vector<BlockHash>& chain, int64_t local
         importing_ = false;
         if (!fin.ok()) spdlog::error("FinishImport: {}", std::string(fin.message()));
         if (got.ok()) {
-          const double get_s = std::max(1e-6, Seconds(absl::Now() - g0));
+          const double get_s = std::max(1e-6, Seconds(MonotonicNow() - g0));
           uint64_t dram = 0, nvme = 0;
           for (size_t k : which) {
             (blocks.found[k]->object.found_in == pool_node::Tier::kNvme ? nvme : dram) += blocks.found[k]->object.length;
@@ -366,9 +367,9 @@ int64_t Engine::FetchFromPool(const std::vector<BlockHash>& chain, int64_t local
 }
 
 void Engine::StepOnce() {
-  const absl::Time t0 = absl::Now();
+  const absl::Time t0 = MonotonicNow();
   absl::StatusOr<std::vector<model::SequenceId>> finished = runner_->Step();
-  const absl::Time t1 = absl::Now();
+  const absl::Time t1 = MonotonicNow();
   if (!finished.ok()) {
     spdlog::error("engine step failed: {}; failing every request", std::string(finished.status().message()));
     FailAll(finished.status());

@@ -4,8 +4,8 @@
 // skipped (its blocks are misses: the worker recomputes them) and retried later.
 //
 //   Lookup(hashes)  one Lookup RPC per owning node (allow_gaps), each under a lease
-//   Get(found, dst) one transfer batch per node, straight into the worker's registered
-//                   KV arena pages (dst), checksums verified by the client
+//   Get(found, dst) per node, transfer batches of up to 256 MiB, straight into the
+//                   worker's registered KV arena pages (dst), checksums verified by the client
 //   Put(items)      one Reserve -> UCX put -> Commit per owning node and state kind;
 //                   a parent owned by another node is not named (each node links the
 //                   chain segments it holds, so its leaf-first eviction and its

@@ -121,7 +121,10 @@ class WorkerService final : public v1::Worker::Service {
     absl::Status s = engine_->Submit(std::move(er), [promise](absl::StatusOr<v1::GenerateResponse> r) {
       promise->set_value(std::move(r));
     });
-    if (!s.ok()) return ToGrpcStatus(s);
+    if (!s.ok()) {  // refused without an answer from the engine (stopped, or invalid)
+      engine_->ReleaseRefusedDecision(decision_id);
+      return ToGrpcStatus(s);
+    }
     // The engine always answers (Stop fails what is left). A cancelled client (or one
     // past its deadline) stops waiting and tells the engine, which drops the request at
     // its next iteration (freeing its pages and running slot) and answers CANCELLED to

@@ -17,6 +17,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cctype>
 #include <string>
 
@@ -27,7 +28,9 @@ inline void RequireDecimalIntegers(CLI::App& app) {
   // hex digit. Anything else (0, 0.5, words) is left to CLI11's own conversion errors.
   static const CLI::Validator kDecimal(
       [](std::string& s) -> std::string {
-        const size_t sign = !s.empty() && (s[0] == '-' || s[0] == '+') ? 1 : 0;
+        // strtoll skips leading blanks: so does this check.
+        const size_t b = std::min(s.size(), s.find_first_not_of(" \t\n\v\f\r"));
+        const size_t sign = b < s.size() && (s[b] == '-' || s[b] == '+') ? b + 1 : b;
         if (s.size() < sign + 2 || s[sign] != '0') return "";
         const char next = s[sign + 1];
         const bool octal = std::isdigit(static_cast<unsigned char>(next)) != 0;
@@ -38,7 +41,7 @@ inline void RequireDecimalIntegers(CLI::App& app) {
                           "); write the number in decimal";
         if (octal) {
           const size_t first = s.find_first_not_of('0', sign);
-          msg += ", e.g. " + s.substr(0, sign) + (first == std::string::npos ? "0" : s.substr(first));
+          msg += ", e.g. " + s.substr(b, sign - b) + (first == std::string::npos ? "0" : s.substr(first));
         }
         return msg;
       },
@@ -46,7 +49,8 @@ inline void RequireDecimalIntegers(CLI::App& app) {
   // CLI11 reads an unsigned option with strtoull, which wraps "-1" to 2^64 - 1.
   static const CLI::Validator kNotNegative(
       [](std::string& s) -> std::string {
-        return !s.empty() && s[0] == '-' ? "'" + s + "' is negative; give a number >= 0" : "";
+        const size_t b = s.find_first_not_of(" \t\n\v\f\r");  // strtoull skips leading blanks
+        return b != std::string::npos && s[b] == '-' ? "'" + s + "' is negative; give a number >= 0" : "";
       },
       "", "not_negative");
   for (CLI::Option* o : app.get_options()) {

@@ -9,7 +9,8 @@
 //   Route -> AddDecision(w1, 900 tokens)        load(w1) = hb + 1 request, +900 tokens
 //   Heartbeat(w1, completed=[id])               load(w1) = hb
 //
-// Time is a parameter (`now`): the service passes the wall clock, the simulator its own.
+// Time is a parameter (`now`): the service passes MonotonicNow (kvpool/common/clock.h:
+// wall-clock steps move no timeout), the simulator its own.
 //
 // Thread safety: none; owned by RouterCore, whose owner serialises calls.
 #pragma once
