@@ -203,7 +203,7 @@ void WorkerImpl::PutPartDone(ucp_ep_h reply_ep, const AmHeader& h, const absl::S
   auto [it, fresh] = pending_puts_.try_emplace(std::make_pair(reply_ep, h.batch_id));
   PendingPut& pp = it->second;
   if (fresh) pp.seen.assign(h.num_parts, false);
-  pp.last = MonoNow();
+  pp.last = MonotonicNow();
   absl::Status st = status;
   if (st.ok() && (h.num_parts != pp.seen.size() || h.part >= pp.seen.size() || pp.seen[h.part])) {
     st = absl::InvalidArgumentError(absl::StrCat("message ", h.part, " of ", h.num_parts,
@@ -226,7 +226,7 @@ void WorkerImpl::PutPartDone(ucp_ep_h reply_ep, const AmHeader& h, const absl::S
 }
 
 void WorkerImpl::SweepPendingPuts() {
-  const absl::Time now = MonoNow();
+  const absl::Time now = MonotonicNow();
   if (now < next_pending_sweep_) return;
   next_pending_sweep_ = now + absl::Seconds(1);
   absl::erase_if(pending_puts_, [&](const auto& e) { return now - e.second.last > kPendingPutTtl; });

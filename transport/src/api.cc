@@ -62,7 +62,7 @@ absl::Status WorkerImpl::Submit(const std::shared_ptr<EndpointImpl>& ep, Directi
   b->done = std::move(done);
   b->observe = std::move(observe);
   b->copy = std::move(copy);
-  b->deadline = MonoNow() + options_.batch_timeout;
+  b->deadline = MonotonicNow() + options_.batch_timeout;
   std::vector<Extent> lx, rx;
   for (size_t i = 0; i < ops.size(); ++i) {
     const TransferOp& op = ops[i];

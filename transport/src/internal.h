@@ -14,7 +14,6 @@
 #include <sys/types.h>
 
 #include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -28,20 +27,17 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "kvpool/common/clock.h"
 #include "kvpool/common/status.h"
 #include "kvpool/transport/transport.h"
 
 namespace kvpool::transport {
 
-// The transport's clock: monotonic (std::chrono::steady_clock), as nanoseconds or as an
-// absl::Time that only ever meets other MonoNow() values. Batch deadlines, peer checks and
-// the progress hand-off follow it, so a wall-clock step (NTP, `date -s`) neither fails
-// every batch in flight at once nor stretches a deadline by the step.
-inline int64_t MonoNanos() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-inline absl::Time MonoNow() { return absl::FromUnixNanos(MonoNanos()); }
+// The transport's clock is kvpool::MonotonicNow (kvpool/common/clock.h): batch
+// deadlines, peer checks and the progress hand-off follow it, so a wall-clock step (NTP,
+// `date -s`) neither fails every batch in flight at once nor stretches a deadline by the
+// step. MonoNanos: the same in nanoseconds.
+inline int64_t MonoNanos() { return absl::ToUnixNanos(MonotonicNow()); }
 
 // Worker address bytes: our framing around the UCX address (see worker.cc).
 std::string WrapAddress(absl::string_view ucx);

@@ -432,7 +432,7 @@ void WorkerImpl::RunQueue() {
 }
 
 void WorkerImpl::Loop() {
-  absl::Time last_progress = MonoNow();
+  absl::Time last_progress = MonotonicNow();
   int contended = 0;          // rounds in a row that found ucx_mu_ held by a caller
   bool was_inflight = false;  // the last round had work in flight
   uint64_t seen_submitted = 0;  // submitted_ as of the last round under ucx_mu_
@@ -473,7 +473,7 @@ void WorkerImpl::Loop() {
         RunQueue();
       }
       if (queued) RunCallbacks();
-      last_progress = MonoNow();
+      last_progress = MonotonicNow();
       continue;
     }
     // Never queue behind a caller's thread for ucx_mu_ (Submit copies shared-memory
@@ -518,7 +518,7 @@ void WorkerImpl::Loop() {
     ucx_mu_.Unlock();
     for (auto& [done, status] : ready) done(std::move(status));
     if (progressed) {
-      last_progress = MonoNow();
+      last_progress = MonotonicNow();
       continue;
     }
     // While transfers are in flight (batches of ours, or peers' requests we serve), keep
@@ -530,13 +530,13 @@ void WorkerImpl::Loop() {
     // (a stuck reply to a dead peer, a peer starved of CPU) it sleeps in epoll as before.
     // spin = 0 keeps the sleeping behaviour.
     if (inflight && options_.spin > absl::ZeroDuration() &&
-        MonoNow() - last_progress < kInflightPoll) {
+        MonotonicNow() - last_progress < kInflightPoll) {
       continue;
     }
     // Keep polling for a while after the last event, in flight or not: peers' software
     // RMA (UCX emulates put/get over shared memory with AM that this side must answer)
     // and the next request of a burst arrive within microseconds; idle, sleep.
-    if (MonoNow() - last_progress < options_.spin) continue;
+    if (MonotonicNow() - last_progress < options_.spin) continue;
     {
       absl::MutexLock l(&mu_);
       if (!queue_.empty()) continue;
@@ -585,9 +585,9 @@ void WorkerImpl::Loop() {
       to_close_.push_back(ep);
     }
     ReapClosedEndpoints();
-    const absl::Time end = MonoNow() + absl::Seconds(2);
+    const absl::Time end = MonotonicNow() + absl::Seconds(2);
     while ((!closing_reqs_.empty() || owner_inflight_ > 0 || !batches_.empty()) &&
-           MonoNow() < end) {
+           MonotonicNow() < end) {
       ucp_worker_progress(worker_);
       ReapClosedEndpoints();
     }
@@ -1296,7 +1296,7 @@ void WorkerImpl::MaybeFree(uint64_t id) {
 }
 
 void WorkerImpl::CheckDeadlines() {
-  const absl::Time now = MonoNow();
+  const absl::Time now = MonotonicNow();
   if (now - last_deadline_check_ < absl::Milliseconds(5)) return;
   last_deadline_check_ = now;
   // Late: unfinished, or failed but still held by requests or replies (e.g. one part

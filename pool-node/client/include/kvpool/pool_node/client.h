@@ -106,7 +106,7 @@ struct PoolLease {
   uint32_t prefix_blocks = 0;
   std::vector<RemoteObject> objects;  // hits in chain order
   uint64_t lease_id = 0;              // 0: nothing found (nothing to release)
-  int64_t expires_unix_ms = 0;        // on the node's clock: for display
+  int64_t expires_unix_ms = 0;        // the node host's wall clock + the lease: for display
   // On this process's monotonic clock: the lease's length counted from when the Lookup
   // left, less a margin (the node's clock counts whole milliseconds). Get starts no read
   // at or after it. Unset (a node without lease_ttl_ms): Get compares expires_unix_ms with
