@@ -99,13 +99,14 @@ class Engine : public cache::KvEventSink {
   const ModelSpec& spec() const { return cfg_.spec; }
   bool accounting() const { return runner_ == nullptr; }
   int64_t num_blocks() const { return cfg_.runner.num_blocks; }
-  // KV pages a request of `prompt_tokens` that generates `max_new_tokens` holds at most
-  // (the runner's count; accounting mode: the prompt's blocks, all it allocates). One
-  // needing more than num_blocks() - 1 can never run here.
+  // KV pages a request of `prompt_tokens` that generates `max_new_tokens` holds at most:
+  // the runner's count; in accounting mode the prompt's blocks (a lower bound for hybrid
+  // presets, whose KDA state pages it leaves out). One needing more than
+  // num_blocks() - 1 can never run here.
   int64_t PagesNeeded(int64_t prompt_tokens, int64_t max_new_tokens) const;
 
-  // A routed request refused before it reached the engine (its RPC failed validation):
-  // the router's decision for it is over too (reported with the next heartbeat, like the
+  // A routed request refused before the engine took it (its RPC failed validation, or
+  // Submit refused it): the router's decision for it is over too (reported with the next heartbeat, like the
   // engine's own). 0 (not routed) is ignored. Thread-safe.
   void ReleaseRefusedDecision(uint64_t decision_id) {
     if (router::EventPublisher* pub = publisher_.load()) pub->CompleteDecision(decision_id);
