@@ -731,6 +731,32 @@ TEST(WorkerService, PrefillLengthErrorNamesItsOwnFields) {
 // fields and --num-blocks: it used to fail on the engine thread in the runner's terms
 // (prompt_tokens, num_blocks; max_new_tokens even for a Prefill), or, on a real-shape
 // preset (accounting), as RESOURCE_EXHAUSTED, as if a retry could help.
+// A hybrid real-shape preset (accounting mode) counts its KDA state pages too: a prompt
+// whose blocks fit the arena but not with its state is refused up front (it used to pass
+// and fail as RESOURCE_EXHAUSTED on the engine thread); one that fits with it runs.
+TEST(WorkerService, HybridPromptCountsItsStatePages) {
+  Cluster cl("arena-hybrid");
+  WorkerConfig c;
+  c.model = "kimi-k3";   // 64-token blocks; one KDA state is 123 pages
+  c.num_blocks = 127;    // 126 pages: 123 for the state, 3 blocks
+  cl.StartWorker(c);
+  auto stub = v1::Worker::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", cl.worker_port(0)), grpc::InsecureChannelCredentials()));
+  for (const int blocks : {4, 3}) {
+    v1::PrefillRequest req;
+    for (int i = 0; i < blocks * 64; ++i) req.add_tokens(1);
+    grpc::ClientContext ctx;
+    v1::GenerateResponse resp;
+    grpc::Status s = stub->Prefill(&ctx, req, &resp);
+    if (blocks == 4) {
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+      EXPECT_NE(s.error_message().find("--num-blocks=127"), std::string::npos) << s.error_message();
+    } else {
+      EXPECT_TRUE(s.ok()) << s.error_message();
+    }
+  }
+}
+
 TEST(WorkerService, RequestLargerThanTheArenaNamesItsFields) {
   for (const std::string model : {"tiny-gqa", "llama-3.3-70b"}) {
     SCOPED_TRACE(model);

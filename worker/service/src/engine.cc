@@ -449,8 +449,16 @@ void Engine::Respond(Pending& p, absl::StatusOr<model::GenerateResult> r) {
 
 int64_t Engine::PagesNeeded(int64_t prompt_tokens, int64_t max_new_tokens) const {
   if (runner_ != nullptr) return runner_->PagesNeeded(prompt_tokens, max_new_tokens);
-  const int64_t b = cfg_.spec.block_tokens;
-  return (prompt_tokens + b - 1) / b;
+  // Accounting allocates the prompt's blocks and, for hybrids, the live KDA state and
+  // (at worst, none cached yet) a checkpoint at each interval boundary of the prompt.
+  const cache::CacheConfig& c = accounting_->config();
+  const int64_t b = c.layout.block_tokens;
+  int64_t pages = (prompt_tokens + b - 1) / b;
+  if (c.layout.hybrid()) {
+    const int64_t saves = c.enable_prefix_caching ? prompt_tokens / c.layout.checkpoint_tokens : 0;
+    pages += (1 + saves) * c.layout.state_pages;
+  }
+  return pages;
 }
 
 void Engine::AdmitAccounting(Pending& p) {

@@ -100,9 +100,9 @@ class Engine : public cache::KvEventSink {
   bool accounting() const { return runner_ == nullptr; }
   int64_t num_blocks() const { return cfg_.runner.num_blocks; }
   // KV pages a request of `prompt_tokens` that generates `max_new_tokens` holds at most:
-  // the runner's count; in accounting mode the prompt's blocks (a lower bound for hybrid
-  // presets, whose KDA state pages it leaves out). One needing more than
-  // num_blocks() - 1 can never run here.
+  // the runner's count; in accounting mode the prompt's blocks, and for hybrid presets
+  // the KDA state and checkpoint pages. One needing more than num_blocks() - 1 can never
+  // run here.
   int64_t PagesNeeded(int64_t prompt_tokens, int64_t max_new_tokens) const;
 
   // A routed request refused before the engine took it (its RPC failed validation, or
