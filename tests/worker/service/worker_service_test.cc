@@ -35,11 +35,32 @@ struct Answer {
   v1::GenerateResponse resp;
 };
 
+// A stub to the worker listening on `port`.
+std::unique_ptr<v1::Worker::Stub> WorkerStub(int port) {
+  return v1::Worker::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+}
+
+// The status of a Prefill, or of a Generate of `max_new_tokens`, of `n` tokens (id 1).
+grpc::Status PrefillOfLength(v1::Worker::Stub& stub, int n) {
+  v1::PrefillRequest req;
+  for (int i = 0; i < n; ++i) req.add_tokens(1);
+  grpc::ClientContext ctx;
+  v1::GenerateResponse resp;
+  return stub.Prefill(&ctx, req, &resp);
+}
+grpc::Status GenerateOfLength(v1::Worker::Stub& stub, int n, uint32_t max_new_tokens) {
+  v1::GenerateRequest req;
+  for (int i = 0; i < n; ++i) req.add_tokens(1);
+  req.set_max_new_tokens(max_new_tokens);
+  grpc::ClientContext ctx;
+  v1::GenerateResponse resp;
+  return stub.Generate(&ctx, req, &resp);
+}
+
 class Client {
  public:
-  explicit Client(int port)
-      : stub_(v1::Worker::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", port),
-                                                      grpc::InsecureChannelCredentials()))) {}
+  explicit Client(int port) : stub_(WorkerStub(port)) {}
   absl::StatusOr<Answer> Generate(const Tokens& prompt, uint32_t new_tokens, const std::string& salt = "") {
     v1::GenerateRequest req;
     for (uint32_t t : prompt) req.add_tokens(t);
@@ -628,8 +649,7 @@ TEST(WorkerService, CancelledClientAbortsItsRequest) {
   c.max_model_len = 8192;
   Client w(cl.StartWorker(c));
   std::mt19937 rng(17);
-  auto stub = v1::Worker::NewStub(
-      grpc::CreateChannel(absl::StrCat("127.0.0.1:", cl.worker_port(0)), grpc::InsecureChannelCredentials()));
+  auto stub = WorkerStub(cl.worker_port(0));
   v1::GenerateRequest req;
   for (uint32_t t : RandomTokens(rng, 40, 512)) req.add_tokens(t);
   req.set_max_new_tokens(4096);
@@ -697,8 +717,7 @@ TEST(WorkerService, FailedRoutedRequestReleasesItsDecision) {
   ASSERT_NE(route.decision_id(), 0u);
   ASSERT_EQ(WaitInflight(**rc, "worker-d", 1), 1u);
 
-  auto stub = v1::Worker::NewStub(
-      grpc::CreateChannel(absl::StrCat("127.0.0.1:", cl.worker_port(0)), grpc::InsecureChannelCredentials()));
+  auto stub = WorkerStub(cl.worker_port(0));
   v1::GenerateRequest req;
   for (uint32_t t : prompt) req.add_tokens(t);
   req.set_max_new_tokens(2);
@@ -715,13 +734,8 @@ TEST(WorkerService, PrefillLengthErrorNamesItsOwnFields) {
   WorkerConfig c;
   c.max_model_len = 64;
   cl.StartWorker(c);
-  auto stub = v1::Worker::NewStub(
-      grpc::CreateChannel(absl::StrCat("127.0.0.1:", cl.worker_port(0)), grpc::InsecureChannelCredentials()));
-  v1::PrefillRequest req;
-  for (int i = 0; i < 64; ++i) req.add_tokens(1);
-  grpc::ClientContext ctx;
-  v1::GenerateResponse resp;
-  grpc::Status s = stub->Prefill(&ctx, req, &resp);
+  auto stub = WorkerStub(cl.worker_port(0));
+  const grpc::Status s = PrefillOfLength(*stub, 64);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(s.error_message().find("max_new_tokens"), std::string::npos) << s.error_message();
   EXPECT_NE(s.error_message().find("--max-model-len=64"), std::string::npos) << s.error_message();
@@ -731,32 +745,6 @@ TEST(WorkerService, PrefillLengthErrorNamesItsOwnFields) {
 // fields and --num-blocks: it used to fail on the engine thread in the runner's terms
 // (prompt_tokens, num_blocks; max_new_tokens even for a Prefill), or, on a real-shape
 // preset (accounting), as RESOURCE_EXHAUSTED, as if a retry could help.
-// A hybrid real-shape preset (accounting mode) counts its KDA state pages too: a prompt
-// whose blocks fit the arena but not with its state is refused up front (it used to pass
-// and fail as RESOURCE_EXHAUSTED on the engine thread); one that fits with it runs.
-TEST(WorkerService, HybridPromptCountsItsStatePages) {
-  Cluster cl("arena-hybrid");
-  WorkerConfig c;
-  c.model = "kimi-k3";   // 64-token blocks; one KDA state is 123 pages
-  c.num_blocks = 127;    // 126 pages: 123 for the state, 3 blocks
-  cl.StartWorker(c);
-  auto stub = v1::Worker::NewStub(
-      grpc::CreateChannel(absl::StrCat("127.0.0.1:", cl.worker_port(0)), grpc::InsecureChannelCredentials()));
-  for (const int blocks : {4, 3}) {
-    v1::PrefillRequest req;
-    for (int i = 0; i < blocks * 64; ++i) req.add_tokens(1);
-    grpc::ClientContext ctx;
-    v1::GenerateResponse resp;
-    grpc::Status s = stub->Prefill(&ctx, req, &resp);
-    if (blocks == 4) {
-      EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
-      EXPECT_NE(s.error_message().find("--num-blocks=127"), std::string::npos) << s.error_message();
-    } else {
-      EXPECT_TRUE(s.ok()) << s.error_message();
-    }
-  }
-}
-
 TEST(WorkerService, RequestLargerThanTheArenaNamesItsFields) {
   for (const std::string model : {"tiny-gqa", "llama-3.3-70b"}) {
     SCOPED_TRACE(model);
@@ -765,40 +753,36 @@ TEST(WorkerService, RequestLargerThanTheArenaNamesItsFields) {
     c.model = model;
     c.num_blocks = 4;  // 3 pages of 16 (tiny-gqa) or llama's block tokens
     cl.StartWorker(c);
-    auto stub = v1::Worker::NewStub(
-        grpc::CreateChannel(absl::StrCat("127.0.0.1:", cl.worker_port(0)), grpc::InsecureChannelCredentials()));
-    {
-      v1::PrefillRequest req;
-      for (int i = 0; i < 1000; ++i) req.add_tokens(1);
-      grpc::ClientContext ctx;
-      v1::GenerateResponse resp;
-      grpc::Status s = stub->Prefill(&ctx, req, &resp);
-      EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
-      EXPECT_EQ(s.error_message().find("max_new_tokens"), std::string::npos) << s.error_message();
-      EXPECT_NE(s.error_message().find("tokens (1000)"), std::string::npos) << s.error_message();
-      EXPECT_NE(s.error_message().find("--num-blocks=4"), std::string::npos) << s.error_message();
-    }
-    {
-      v1::GenerateRequest req;
-      for (int i = 0; i < 1000; ++i) req.add_tokens(1);
-      req.set_max_new_tokens(2);
-      grpc::ClientContext ctx;
-      v1::GenerateResponse resp;
-      grpc::Status s = stub->Generate(&ctx, req, &resp);
-      EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
-      EXPECT_NE(s.error_message().find("max_new_tokens (2)"), std::string::npos) << s.error_message();
-      EXPECT_NE(s.error_message().find("--num-blocks=4"), std::string::npos) << s.error_message();
-    }
-    {  // One that fits still runs.
-      v1::GenerateRequest req;
-      for (int i = 0; i < 8; ++i) req.add_tokens(1);
-      req.set_max_new_tokens(2);
-      grpc::ClientContext ctx;
-      v1::GenerateResponse resp;
-      grpc::Status s = stub->Generate(&ctx, req, &resp);
-      EXPECT_TRUE(s.ok()) << s.error_message();
-    }
+    auto stub = WorkerStub(cl.worker_port(0));
+    grpc::Status s = PrefillOfLength(*stub, 1000);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_EQ(s.error_message().find("max_new_tokens"), std::string::npos) << s.error_message();
+    EXPECT_NE(s.error_message().find("tokens (1000)"), std::string::npos) << s.error_message();
+    EXPECT_NE(s.error_message().find("--num-blocks=4"), std::string::npos) << s.error_message();
+    s = GenerateOfLength(*stub, 1000, 2);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_NE(s.error_message().find("max_new_tokens (2)"), std::string::npos) << s.error_message();
+    EXPECT_NE(s.error_message().find("--num-blocks=4"), std::string::npos) << s.error_message();
+    s = GenerateOfLength(*stub, 8, 2);  // one that fits still runs
+    EXPECT_TRUE(s.ok()) << s.error_message();
   }
+}
+
+// A hybrid real-shape preset (accounting mode) counts its KDA state pages too: a prompt
+// whose blocks fit the arena but not with its state is refused up front (it used to pass
+// and fail as RESOURCE_EXHAUSTED on the engine thread); one that fits with it runs.
+TEST(WorkerService, HybridPromptCountsItsStatePages) {
+  Cluster cl("arena-hybrid");
+  WorkerConfig c;
+  c.model = "kimi-k3";  // 64-token blocks; one KDA state is 123 pages
+  c.num_blocks = 127;   // 126 pages: 123 for the state, 3 blocks
+  cl.StartWorker(c);
+  auto stub = WorkerStub(cl.worker_port(0));
+  const grpc::Status too_long = PrefillOfLength(*stub, 4 * 64);
+  EXPECT_EQ(too_long.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << too_long.error_message();
+  EXPECT_NE(too_long.error_message().find("--num-blocks=127"), std::string::npos) << too_long.error_message();
+  const grpc::Status fits = PrefillOfLength(*stub, 3 * 64);
+  EXPECT_TRUE(fits.ok()) << fits.error_message();
 }
 
 }  // namespace
