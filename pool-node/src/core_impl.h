@@ -90,6 +90,11 @@ struct EvictionPlan {
   std::set<std::pair<uint64_t, ObjectKey>> exposed;
   absl::flat_hash_map<ObjectKey, size_t> children_left;  // in the tier, not chosen yet
   uint64_t pages = 0;  // the victims' pages in the tier
+  // DRAM plans: pass over DRAM-only objects with a child on NVMe (Impl::Strands). Their
+  // drop would leave that NVMe chain unreachable to a prefix Lookup until the parent is
+  // put again; demotion moves them out whole instead. Eviction plans with this first and
+  // without it only when the room cannot be made otherwise.
+  bool spare_strands = false;
 };
 
 class PoolCore::Impl {
@@ -183,6 +188,11 @@ class PoolCore::Impl {
   // room it was to make is not there.
   bool DropVictims(const EvictionPlan& plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool Evictable(const Object& o, int t) const;
+  // Dropping o's DRAM copy would erase o while a child of it has an NVMe copy: that
+  // child, and the chain below it, could no longer be reached by a prefix Lookup.
+  bool Strands(const Object& o) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return !o.copy[static_cast<int>(Tier::kNvme)] && HasChildIn(o, static_cast<int>(Tier::kNvme));
+  }
   // Restores invariant 5 for `o`; call after changing its DRAM copy, leases, pins,
   // demoting or promotion.
   void SyncHeld(Object& o) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -248,16 +248,26 @@ bool PoolCore::Impl::Evict(int t, uint64_t free_pages) {
   // While pages are held back the journal is failing: an evicted copy's pages would be
   // held back too (a restart brings it back, but this node would serve it no more).
   if (t == static_cast<int>(Tier::kNvme) && !nvme_quarantine_.empty()) return false;
-  EvictionPlan plan;
-  plan.tier = t;
-  return PlanVictims(plan, std::nullopt, free_pages - alloc_[t]->free_pages()) && DropVictims(plan);
+  // DRAM: first without victims that would strand an NVMe chain (EvictionPlan::spare_strands).
+  for (const bool spare : {t == static_cast<int>(Tier::kDram), false}) {
+    EvictionPlan plan;
+    plan.tier = t;
+    plan.spare_strands = spare;
+    if (PlanVictims(plan, std::nullopt, free_pages - alloc_[t]->free_pages())) return DropVictims(plan);
+    if (!spare) break;
+  }
+  return false;
 }
 
 bool PoolCore::Impl::PlanVictims(EvictionPlan& plan, std::optional<StateKind> kind, uint64_t pages) {
   const int t = plan.tier;
-  auto eligible = [&](const ObjectKey& k) { return (!kind || k.kind == *kind) && !plan.chosen.contains(k); };
+  const bool spare = plan.spare_strands && t == static_cast<int>(Tier::kDram);
+  auto eligible = [&](const ObjectKey& k) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return (!kind || k.kind == *kind) && !plan.chosen.contains(k) && !(spare && Strands(*Find(k)));
+  };
   // Leaves of the tier do not change while planning, and one passed over (held, of
-  // another kind, chosen) stays so: one forward walk. Exposed parents join in tick order.
+  // another kind, chosen, spared) stays so: one forward walk. Exposed parents join in
+  // tick order.
   auto leaf = leaves_[t].begin();
   uint64_t got = 0;
   while (got < pages) {

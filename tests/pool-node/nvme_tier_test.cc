@@ -764,5 +764,32 @@ TEST_F(NvmeTierTest, CheckpointReserveDoesNotEvictAPresentOnesKvPrefix) {
   EXPECT_FALSE(core->Inspect({H(20), StateKind::kAttnKv}).has_value());  // the victim instead
 }
 
+// Making room in DRAM passes over a DRAM-only parent whose child went to NVMe: dropping
+// it would leave the NVMe chain below it out of reach of every prefix Lookup. It goes
+// only when nothing else can make the room.
+TEST_F(NvmeTierTest, DramEvictionSparesTheParentOfAnNvmeChain) {
+  auto core = Make(4, 16);  // objects of one page each
+  PutChain(*core, 1, 3, kPage);  // H1 -> H2 -> H3
+  ASSERT_EQ(core->Demote(1), 1u);  // the leaf H3 to NVMe; H2 stays, DRAM only
+  ASSERT_FALSE(core->Inspect({H(3), StateKind::kAttnKv})->in_dram);
+  ASSERT_FALSE(core->Inspect({H(2), StateKind::kAttnKv})->on_nvme);
+  ASSERT_TRUE(Put(*core, H(10), std::nullopt, Pattern(10, kPage)).ok());
+  ASSERT_TRUE(Put(*core, H(11), std::nullopt, Pattern(11, kPage)).ok());  // DRAM full
+  // H2 is the least recently used DRAM leaf; H10 goes instead.
+  ASSERT_TRUE(Put(*core, H(20), std::nullopt, Pattern(20, kPage)).ok());
+  EXPECT_FALSE(core->Inspect({H(10), StateKind::kAttnKv}).has_value());
+  EXPECT_TRUE(core->Inspect({H(2), StateKind::kAttnKv}).has_value());
+  ExpectChainReadsBack(*core, 1, 3, kPage);
+}
+
+TEST_F(NvmeTierTest, AParentOfAnNvmeChainStillMakesRoomWhenNothingElseCan) {
+  auto core = Make(2, 16);
+  PutChain(*core, 1, 2, kPage);  // H1 -> H2
+  ASSERT_EQ(core->Demote(1), 1u);  // H2 to NVMe; H1, DRAM only, is all DRAM holds
+  ASSERT_TRUE(Put(*core, H(20), std::nullopt, Pattern(20, 2 * kPage)).ok());
+  EXPECT_FALSE(core->Inspect({H(1), StateKind::kAttnKv}).has_value());
+  EXPECT_TRUE(core->Inspect({H(2), StateKind::kAttnKv})->on_nvme);
+}
+
 }  // namespace
 }  // namespace kvpool::pool_node
