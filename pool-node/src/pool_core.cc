@@ -333,9 +333,13 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
 
 absl::StatusOr<std::vector<CommitOutcome>> PoolCore::Commit(uint64_t reservation_id,
                                                             std::span<const CommitEntrySpec> entries,
-                                                            bool partial, uint32_t commits) {
+                                                            bool partial, uint32_t commits, bool end_now) {
   if (entries.size() > kMaxBatch) {
     return absl::InvalidArgumentError(absl::StrCat("entries: ", entries.size(), " given; at most 4096"));
+  }
+  if (end_now && partial) {
+    return absl::InvalidArgumentError(
+        "end_now=true with partial=true: end_now ends the reservation, so the Commit must be final (partial=false)");
   }
   Impl& im = *impl_;
   // Phase 1: claim the named entries; while any Commit of it verifies, expiry leaves the
@@ -352,13 +356,15 @@ absl::StatusOr<std::vector<CommitOutcome>> PoolCore::Commit(uint64_t reservation
     im.ExpireLocked(im.clock_->NowMs());
     auto it = im.reservations_.find(reservation_id);
     if (it == im.reservations_.end() || (it->second.last != 0 && it->second.claimed >= it->second.last) ||
-        (!partial && it->second.last != 0)) {
+        (!partial && !end_now && it->second.last != 0)) {
       return absl::NotFoundError(absl::StrCat(
           "reservation_id=", reservation_id, " is unknown: it was committed already (a Commit without "
           "partial ends it) or reclaimed after ", options_.reserve_timeout_ms, " ms; Reserve again"));
     }
     ReservationState& rs = it->second;
-    if (!partial) rs.last = std::max<uint32_t>(commits, rs.claimed + 1);
+    // end_now: no Commit that has not come yet is waited for (this one is the last).
+    if (end_now) rs.last = rs.claimed + 1;
+    else if (!partial) rs.last = std::max<uint32_t>(commits, rs.claimed + 1);
     ++rs.claimed;
     for (size_t i = 0; i < entries.size(); ++i) {
       auto found = rs.by_hash.find(entries[i].hash);

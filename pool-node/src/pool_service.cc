@@ -301,7 +301,7 @@ grpc::Status PoolNodeService::Commit(grpc::ServerContext*, const v1::CommitReque
     if (!h.ok()) return Done(kCommit, h.status());
     entries.push_back({*h, req->entries(i).checksum()});
   }
-  auto out = core_->Commit(req->reservation_id(), entries, req->partial(), req->commits());
+  auto out = core_->Commit(req->reservation_id(), entries, req->partial(), req->commits(), req->end_now());
   if (!out.ok()) return Done(kCommit, out.status());
   for (const CommitOutcome& o : *out) {
     v1::CommitResult* r = resp->add_results();

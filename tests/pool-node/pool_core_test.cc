@@ -222,6 +222,38 @@ TEST_F(PoolCoreTest, FinalCommitFreesWhatNoCommitNamedAndAMissingOneTimesOut) {
   EXPECT_EQ(st.reclaimed_reservations, 1u);
 }
 
+// end_now: a client whose Commit was lost on the way ends the reservation without
+// waiting for it, even after a final Commit counted it. A Commit that comes after is
+// refused, and end_now needs a final Commit.
+TEST_F(PoolCoreTest, EndNowEndsAReservationThatWaitsForALostCommit) {
+  auto core = Make(8, {.reserve_timeout_ms = 1000});
+  const std::string a = Pattern(1, kPage), b = Pattern(2, 2 * kPage);
+  std::vector<ReserveEntrySpec> specs = {{H(1), std::nullopt, StateKind::kAttnKv, a.size()},
+                                         {H(2), H(1), StateKind::kAttnKv, b.size()}};
+  auto r = core->Reserve(specs);
+  ASSERT_TRUE(r.ok()) << r.status();
+  core->CopyToRun(r->slots[0].run, testing::Bytes(a));
+  const CommitEntrySpec ca{H(1), Checksum64(testing::Bytes(a))};
+  ASSERT_TRUE(core->Commit(r->id, {&ca, 1}, /*partial=*/true).ok());
+  // The final Commit counts three: the one for H(2) is lost.
+  ASSERT_TRUE(core->Commit(r->id, {}, /*partial=*/false, /*commits=*/3).ok());
+  EXPECT_EQ(core->Stats().pending_reservations, 1u);
+  EXPECT_EQ(core->Commit(r->id, {}, /*partial=*/true, 1, /*end_now=*/true).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(core->Stats().pending_reservations, 1u);  // a refused request changes nothing
+  ASSERT_TRUE(core->Commit(r->id, {}, /*partial=*/false, 1, /*end_now=*/true).ok());
+  auto st = core->Stats();
+  EXPECT_EQ(st.pending_reservations, 0u);
+  EXPECT_EQ(st.reserved_bytes, 0u);
+  EXPECT_EQ(st.dram_held_back_bytes, 0u);  // freed at once: the client's writes are over
+  EXPECT_EQ(st.tiers[0].used_bytes, kPage);
+  EXPECT_TRUE(core->Inspect({H(1), StateKind::kAttnKv}));
+  // The lost Commit turns up late: the reservation is gone.
+  const CommitEntrySpec cb{H(2), Checksum64(testing::Bytes(b))};
+  EXPECT_EQ(core->Commit(r->id, {&cb, 1}, /*partial=*/true).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_FALSE(core->Inspect({H(2), StateKind::kAttnKv}));
+}
+
 TEST_F(PoolCoreTest, ZombieReserveIsReclaimedAfterTimeout) {
   auto core = Make(8, {.reserve_timeout_ms = 1000});
   ReserveEntrySpec e{H(1), std::nullopt, StateKind::kAttnKv, 8 * kPage};

@@ -721,6 +721,34 @@ TEST_F(ServiceTest, FailedPipelinedPutEndsTheReservationsItMadeAhead) {
   EXPECT_EQ(node_->core().Stats().pending_reservations, 0u);
 }
 
+// A partial Commit lost on the way (the node never gets it) fails the Put, and the
+// client then ends the reservation (an empty Commit with end_now): the final Commit,
+// which counted the lost one, would otherwise keep it, and the pages the lost Commit
+// named, until reserve_timeout (30 s here, far beyond the test). The items whose
+// Commits arrived stay stored.
+TEST_F(ServiceTest, LostPartialCommitFailsThePutAndTheClientEndsItsReservation) {
+  PoolClientOptions o = ClientOptions("losing-commit");
+  o.put_pipeline_bytes = 100'000;  // four pieces, all under one Reserve
+  o.lose_commit = [](size_t piece) { return piece == 1; };
+  auto client = ConnectWith(o);
+  ASSERT_NE(client, nullptr);
+  const std::vector<PutItem> items = StageChain(720, 720, {100'000, 100'000, 100'000, 100'000});
+  auto put = client->Put(items);
+  ASSERT_FALSE(put.ok());
+  EXPECT_EQ(put.status().code(), absl::StatusCode::kUnavailable) << put.status();
+
+  auto stats = client_->GetStats();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->pending_reservations(), 0u);
+  EXPECT_EQ(stats->reserved_bytes(), 0u);
+  EXPECT_EQ(stats->dram_held_back_bytes(), 0u);
+  // Piece 0 holds the first item; piece 1 (its Commit lost) holds part of a later one.
+  EXPECT_TRUE(node_->core().Inspect({H(720), StateKind::kAttnKv}));
+  size_t stored = 0;
+  for (uint64_t i = 0; i < items.size(); ++i) stored += node_->core().Inspect({H(720 + i), StateKind::kAttnKv}).has_value();
+  EXPECT_LT(stored, items.size());
+}
+
 // A Put whose reservation runs out before a piece is written writes no more: it fails
 // with DEADLINE_EXCEEDED, the pieces before stay stored, and the node keeps the pages it
 // took back unused for one more reserve timeout (a write under way must not land in

@@ -137,17 +137,53 @@ void Kick(grpc::CompletionQueue& cq) {
   }
 }
 
+// Waits for `in_flight` calls on `cq` to finish.
+void WaitForCalls(grpc::CompletionQueue& cq, size_t in_flight) {
+  void* tag;
+  bool ok;
+  for (; in_flight > 0 && cq.Next(&tag, &ok); --in_flight) *static_cast<bool*>(tag) = true;
+}
+
 // Waits for every call still on `cq`, then shuts it down.
 void Drain(grpc::CompletionQueue& cq, size_t in_flight) {
   void* tag;
   bool ok;
-  for (; in_flight > 0 && cq.Next(&tag, &ok); --in_flight) *static_cast<bool*>(tag) = true;
+  WaitForCalls(cq, in_flight);
   cq.Shutdown();
   while (cq.Next(&tag, &ok)) {
   }
 }
 
 constexpr size_t kMaxEntriesPerRpc = 4096;  // the node's limit per Reserve / Commit
+
+// After a failed Put, and once every RPC of it has answered: a reservation whose final
+// Commit was never sent (the Put stopped before it), or one of whose Commits failed on
+// the way (the node may never have got it, and a final Commit then waits for it), gets an
+// empty Commit with end_now. Otherwise it would pin its pages until reserve_timeout, and
+// reserving them may have evicted other objects. No write of this Put is in flight any
+// more (the transfers ended before the final wait). Best effort: its answers are dropped
+// (NOT_FOUND when the reservation had ended after all).
+void EndOpenReservations(v1::PoolNode::Stub& stub, int64_t rpc_timeout_ms, grpc::CompletionQueue& cq,
+                         const std::vector<std::pair<size_t, size_t>>& groups,
+                         const std::vector<std::unique_ptr<ReserveCall>>& reserves,
+                         const std::vector<std::unique_ptr<CommitCall>>& commits) {
+  std::vector<std::unique_ptr<CommitCall>> ends;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    if (!reserves[g] || !reserves[g]->status.ok()) continue;  // nothing was reserved
+    bool open = !commits[groups[g].second - 1];
+    for (size_t k = groups[g].first; k < groups[g].second; ++k) open |= commits[k] && !commits[k]->status.ok();
+    if (!open) continue;
+    auto c = std::make_unique<CommitCall>();
+    c->req.set_reservation_id(reserves[g]->resp.reservation_id());
+    c->req.set_end_now(true);
+    c->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(rpc_timeout_ms));
+    c->reader = stub.PrepareAsyncCommit(&c->ctx, c->req, &cq);
+    c->reader->StartCall();
+    c->reader->Finish(&c->resp, &c->status, &c->finished);
+    ends.push_back(std::move(c));
+  }
+  WaitForCalls(cq, ends.size());
+}
 
 // Adds the time from its construction to its end to `sum` (nanoseconds).
 class PhaseTimer {
@@ -514,11 +550,17 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
       ce->set_checksum(tx[k].digests->Value(o));
       commit_index[k][tx[k].op_item[o] - first] = static_cast<int>(o);
     }
+    ++started;
+    if (s_->opt.lose_commit && s_->opt.lose_commit(k)) {
+      c->status = grpc::Status(grpc::StatusCode::UNAVAILABLE, "Commit lost (PoolClientOptions::lose_commit)");
+      c->finished = true;
+      commits[k] = std::move(c);
+      return absl::OkStatus();
+    }
     c->ctx.set_deadline(deadline());
     c->reader = s_->stub->PrepareAsyncCommit(&c->ctx, c->req, &cq);
     c->reader->StartCall();
     c->reader->Finish(&c->resp, &c->status, &c->finished);
-    ++started;
     Kick(cq);  // the node verifies piece k while this thread copies piece k+1
     commits[k] = std::move(c);
     return absl::OkStatus();
@@ -555,35 +597,13 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
       if (pt.done.valid()) pt.done.wait();
     }
   }
-  // On failure, groups reserved ahead (and the one that failed) did not get their final
-  // Commit. An empty final Commit ends each at once (once its Commits in flight are
-  // done): otherwise its pages stay pinned until reserve_timeout, and reserving them may
-  // have evicted other objects.
-  std::vector<std::unique_ptr<CommitCall>> aborts;
-  if (!err.ok()) {
-    for (size_t g = 0; g < groups.size(); ++g) {
-      if (!reserves[g] || commits[groups[g].second - 1]) continue;
-      WaitFor(cq, reserves[g]->finished);
-      if (!reserves[g]->status.ok()) continue;  // nothing was reserved
-      auto c = std::make_unique<CommitCall>();
-      c->req.set_reservation_id(reserves[g]->resp.reservation_id());
-      c->req.set_commits(group_commits[g] + 1);  // after the partial ones, in whatever order
-      c->ctx.set_deadline(deadline());
-      c->reader = s_->stub->PrepareAsyncCommit(&c->ctx, c->req, &cq);
-      c->reader->StartCall();
-      c->reader->Finish(&c->resp, &c->status, &c->finished);
-      ++started;
-      aborts.push_back(std::move(c));
-    }
-  }
   // Every RPC started is waited for (they point into this frame).
   size_t finished = 0;
   for (const auto& c : reserves) finished += c && c->finished;
   for (const auto& c : commits) finished += c && c->finished;
-  for (const auto& c : aborts) finished += c->finished;
   {
     const PhaseTimer t(s_->put_final_wait_ns);
-    Drain(cq, started - finished);
+    WaitForCalls(cq, started - finished);
   }
   std::vector<absl::Status> out(items.size());
   for (size_t k = 0; k < pieces.size(); ++k) {
@@ -605,6 +625,8 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
       out[pieces[k].first + j] = absl::Status(static_cast<absl::StatusCode>(r.code()), r.message());
     }
   }
+  if (!err.ok()) EndOpenReservations(*s_->stub, s_->opt.rpc_timeout_ms, cq, groups, reserves, commits);
+  Drain(cq, 0);
   if (!err.ok()) return err;
   return out;
 }

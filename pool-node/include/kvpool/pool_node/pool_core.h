@@ -226,11 +226,14 @@ class PoolCore {
   // (`commits`, 0 counts as 1); once that many are done the reservation ends and entries
   // no Commit named are abandoned (pages freed). A partial Commit leaves the entries it
   // does not name reserved. Commits of one reservation may overlap and come in any order
-  // (a client commits a large put piece by piece under one Reserve). NOT_FOUND for an
-  // unknown, ended or reclaimed reservation.
+  // (a client commits a large put piece by piece under one Reserve). `end_now` (final
+  // Commits only; CommitRequest.end_now): the reservation ends once the Commits that
+  // already came are done, even after an earlier final Commit counted more. NOT_FOUND
+  // for an unknown, ended or reclaimed reservation.
   absl::StatusOr<std::vector<CommitOutcome>> Commit(uint64_t reservation_id,
                                                     std::span<const CommitEntrySpec> entries,
-                                                    bool partial = false, uint32_t commits = 1);
+                                                    bool partial = false, uint32_t commits = 1,
+                                                    bool end_now = false);
   // Ends a lease. NOT_FOUND when it is unknown, expired or already released.
   absl::Status Release(uint64_t lease_id);
 

@@ -89,6 +89,9 @@ struct PoolClientOptions {
   // Fault injection for tests: called by Put before piece k's transfer starts (once its
   // Reserve is answered), e.g. to stall past the node's reserve timeout.
   std::function<void(size_t piece)> before_piece_transfer = {};
+  // Fault injection for tests: called by Put before it sends piece k's Commit; true
+  // loses that Commit on the way (the node never gets it; the Put sees UNAVAILABLE).
+  std::function<bool(size_t piece)> lose_commit = {};
   // Fault injection for tests: called by Get before its transfer batch k starts.
   std::function<void(size_t batch)> before_get_batch = {};
 };
