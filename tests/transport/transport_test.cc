@@ -21,6 +21,7 @@
 #include <random>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "../clock_step.h"  // g_realtime_offset_ns
 #include "../../transport/src/internal.h"  // AmHeader, kAm*, WrapAddress: the wire format
 #include "kvpool/transport/page_view.h"
@@ -1215,6 +1216,55 @@ TEST(FallbackArena, WorkerDestroyedDuringAMappedCopyKeepsTheMappingUntilItEnds) 
   submitter.join();
   EXPECT_EQ(unmapped.load(), 0);
   EXPECT_TRUE(result.get().ok());
+}
+
+// A descriptor of a fallback arena that claims more bytes than the owner allocated
+// (forged, or another arena's size) is refused by the batches that name it: UCX maps the
+// owner's allocation, ucp_rkey_ptr only adds offsets, so a page past its end would be
+// copied outside the mapping (a fault, or bytes in whatever is mapped there). The
+// descriptor's own pages within the real size are refused too: the import is unusable.
+TEST(FallbackArena, ADescriptorLargerThanTheMappingIsRefused) {
+  ContextOptions co;
+  co.ucx_config.push_back({"TLS", "sm,self"});
+  auto oc = Context::Create(co);
+  ASSERT_TRUE(oc.ok()) << oc.status();
+  auto cc = Context::Create(co);
+  ASSERT_TRUE(cc.ok()) << cc.status();
+  auto owner = Worker::Create(*oc, {});
+  ASSERT_TRUE(owner.ok()) << owner.status();
+  auto client = Worker::Create(*cc, {});
+  ASSERT_TRUE(client.ok()) << client.status();
+  g_fail_shmget.store(true);
+  auto oa = (*owner)->AllocateArena(16 * kOwnerPage, kOwnerPage);
+  g_fail_shmget.store(false);
+  ASSERT_TRUE(oa.ok()) << oa.status();
+  ASSERT_EQ((*oa)->descriptor().shm_id, -1) << "the arena did not fall back to UCX's allocation";
+  std::vector<std::byte> mem(4 * kClientPage, std::byte{0x5A});
+  auto ca = (*client)->RegisterArena(mem, kClientPage);
+  ASSERT_TRUE(ca.ok()) << ca.status();
+  auto ep = (*client)->Connect((*owner)->address(), "owner");
+  ASSERT_TRUE(ep.ok()) << ep.status();
+  RemoteArena forged = (*oa)->descriptor();
+  forged.size += uint64_t{1} << 30;  // 1 GiB more than UCX allocated and mapped
+  ASSERT_TRUE((*ep)->ImportArena(forged).ok());
+  ASSERT_EQ((*ep)->protocol(), Protocol::kRma);
+  const uint64_t far_page = forged.num_pages() - 2;  // well past the owner's 16 pages
+  for (const uint64_t page : {far_page, uint64_t{0}}) {
+    SCOPED_TRACE(page);
+    std::vector<TransferOp> ops(1);
+    ops[0].local = PageRun{(*ca)->id(), {0}, kOwnerPage};
+    ops[0].remote = PageRun{forged.arena_id, {page}, kOwnerPage};
+    absl::Status st = Await((*ep)->Put(std::move(ops)));
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+    EXPECT_TRUE(absl::StrContains(st.message(), "does not describe the owner's arena")) << st;
+  }
+  // The owner's own descriptor, imported again, works.
+  ASSERT_TRUE((*ep)->ImportArena((*oa)->descriptor()).ok());
+  std::vector<TransferOp> ops(1);
+  ops[0].local = PageRun{(*ca)->id(), {0}, kOwnerPage};
+  ops[0].remote = PageRun{forged.arena_id, {15}, kOwnerPage};
+  EXPECT_TRUE(Await((*ep)->Put(std::move(ops))).ok());
+  EXPECT_EQ((*oa)->base()[15 * kOwnerPage], std::byte{0x5A});
 }
 
 // An arena imported again (same arena id, another descriptor) while a large RMA put to

@@ -120,6 +120,10 @@ struct OwnerOp;
 // the kernel can map it with 2 MiB pages (see MakeHugeMapped). Null on failure.
 std::byte* AttachShared(int shm_id, uint64_t size);
 void DetachShared(std::byte* p);
+// Bytes from `p` to the end of the mapping that holds it (with the mappings that
+// continue the same file or memory right after it), from /proc/self/maps; 0 if nothing
+// is mapped at p.
+uint64_t MappedBytesFrom(const void* p);
 
 struct RemoteKey {
   explicit RemoteKey(RemoteArena d) : desc(std::move(d)) {}
@@ -138,6 +142,9 @@ struct RemoteKey {
   // The owner's SysV segment (desc.shm_id) mapped here by this worker, or null (then a
   // same-host copy goes through UCX's own mapping, ucp_rkey_ptr). Set with the rkey.
   std::byte* mapped = nullptr;
+  // Set with the rkey when the import cannot be used (RkeyFor then returns null): why,
+  // for the batches that name it. Under ucx_mu_.
+  std::string refused;
 };
 
 // A batch in flight. Owned by WorkerImpl::batches_; touched only on the progress thread.

@@ -200,6 +200,44 @@ std::byte* AttachShared(int shm_id, uint64_t size) {
 
 void DetachShared(std::byte* p) { shmdt(p); }
 
+uint64_t MappedBytesFrom(const void* p) {
+  // /proc/self/maps lines: "start-end perms offset dev inode [path]". The mapping that
+  // holds p, and the ones right after it that continue the same object (same device and
+  // inode, the file offset going on where the last one ended; a mapping split by
+  // madvise or mprotect is several lines). Anonymous mappings (inode 0) are not joined:
+  // two of them side by side may be unrelated.
+  std::FILE* f = std::fopen("/proc/self/maps", "re");
+  if (f == nullptr) return 0;
+  const auto at = reinterpret_cast<uintptr_t>(p);
+  uintptr_t end = 0;
+  unsigned long long ino = 0, next_off = 0;
+  unsigned dev_major = 0, dev_minor = 0;
+  char line[512];
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    unsigned long long lo, hi, off, i;
+    unsigned ma, mi;
+    char perms[8];
+    if (std::sscanf(line, "%llx-%llx %7s %llx %x:%x %llu", &lo, &hi, perms, &off, &ma, &mi, &i) != 7) continue;
+    if (end == 0) {
+      if (at < lo || at >= hi) continue;
+      end = hi;
+    } else if (lo == end && i == ino && ma == dev_major && mi == dev_minor && ino != 0 && off == next_off) {
+      end = hi;
+    } else {
+      break;
+    }
+    ino = i;
+    dev_major = ma;
+    dev_minor = mi;
+    next_off = off + (hi - lo);
+    // Without a line ending the line was longer than the buffer (a long path): skip the rest.
+    while (std::strchr(line, '\n') == nullptr && std::fgets(line, sizeof(line), f) != nullptr) {
+    }
+  }
+  std::fclose(f);
+  return end == 0 ? 0 : end - at;
+}
+
 // Worker address: "KVW1" | u32 pid | u16 len | host key | UCX worker address. The pid
 // lets a same-host peer notice that this process is gone where UCX cannot (shared
 // memory has no peer-failure support in UCX 1.13).
@@ -917,10 +955,20 @@ ucp_rkey_h WorkerImpl::RkeyFor(EndpointImpl& ep, RemoteKey& key) {
       MakeHugeMapped(key.mapped, key.desc.size);
     } else if (ucp_rkey_ptr(key.rkey, key.desc.base, &mapped) != UCS_OK) {
       mapped = nullptr;  // (UCX's mapping of a fallback arena, above)
+    } else if (const uint64_t held = MappedBytesFrom(mapped); held < key.desc.size) {
+      // UCX's mapping of a fallback arena: ucp_rkey_ptr only adds an offset, so a
+      // descriptor that claims more bytes than the owner allocated would have copies
+      // (and the Populate below) run past the mapping. The SysV path checks the
+      // segment's size the same way.
+      key.refused = absl::StrCat("remote arena ", key.desc.arena_id, ": its descriptor says ", key.desc.size,
+                                 " bytes but UCX mapped ", held,
+                                 " from its base here; it does not describe the owner's arena (import the "
+                                 "owner's own descriptor)");
+      mapped = nullptr;
     }
     if (mapped != nullptr) Populate(static_cast<std::byte*>(mapped), key.desc.size, /*fresh=*/false);
   }
-  return key.rkey;
+  return key.refused.empty() ? key.rkey : nullptr;
 }
 
 void WorkerImpl::SweepRkeys() {
@@ -1086,9 +1134,11 @@ void WorkerImpl::StartRma(Batch& b) {
       rmapped = key != nullptr ? key->mapped : nullptr;
       cached_id = s.remote_arena;
       if (rkey == nullptr) {
-        Finish(b, absl::FailedPreconditionError(absl::StrCat(
-                      "cannot unpack the rkey of remote arena ", s.remote_arena,
-                      "; the peer and this process must share a transport (UCX_TLS)")));
+        Finish(b, absl::FailedPreconditionError(
+                      key != nullptr && !key->refused.empty()
+                          ? key->refused
+                          : absl::StrCat("cannot unpack the rkey of remote arena ", s.remote_arena,
+                                         "; the peer and this process must share a transport (UCX_TLS)")));
         return;
       }
     }
