@@ -397,6 +397,18 @@ TEST_P(TransportTest, OwnerRefusesSegmentsOutsideItsArena) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   s = Await(ep_->Put({{Local({0}), Remote({kOwnerPages * 3, 1})}}));
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  // The refusal names the owner's reason and the op it refers to: here ops[2] of a get
+  // whose three ops (an observer keeps their segments apart) travel in one message.
+  auto refused = std::make_shared<std::promise<absl::Status>>();
+  ASSERT_TRUE(ep_->GetAsync({{Local({0}), Remote({2, 3})}, {Local({1}), Remote({4, 5})},
+                             {Local({2}), Remote({kOwnerPages + 20, kOwnerPages + 21})}},
+                            [refused](absl::Status st) { refused->set_value(std::move(st)); },
+                            [](size_t, std::span<const std::byte>) {})
+                  .ok());
+  s = Await(refused->get_future());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "ops[2]")) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), absl::StrCat("is outside arena ", remote_.arena_id))) << s;
   EXPECT_TRUE(ep_->health().ok());
   FillPattern(owner_arena_->Page(7), 9, 0);
   FillPattern(owner_arena_->Page(8), 9, kOwnerPage);
@@ -758,7 +770,7 @@ TEST_P(TransportTest, RepliesCountOnlyFromTheBatchsPeerAndOncePerMessage) {
 
 // A get request that asks for several messages is answered per message; one whose
 // segment counts do not add up, or name an empty message, is refused for every message
-// it names, and nothing is sent from the arena.
+// it names (with the reason as the payload), and nothing is sent from the arena.
 TEST_P(TransportTest, OwnerChecksTheMessagesOfAGetRequest) {
   if (std::string(GetParam().tls) != "tcp") GTEST_SKIP() << "the raw UCX test peer connects over tcp; this mode's workers have shared memory only";
   RawAmPeer peer;
@@ -794,7 +806,9 @@ TEST_P(TransportTest, OwnerChecksTheMessagesOfAGetRequest) {
         EXPECT_EQ(len, c.counts[m] * kOwnerPage);
       } else {
         EXPECT_EQ(rh.status, static_cast<uint32_t>(absl::StatusCode::kInvalidArgument));
-        EXPECT_EQ(len, 0u);
+        // Only the owner's reason (kMaxRefusalBytes at most), no arena bytes.
+        EXPECT_GT(len, 0u);
+        EXPECT_LE(len, kMaxRefusalBytes);
       }
     }
   }

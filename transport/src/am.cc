@@ -35,6 +35,7 @@ struct OwnerOp {
   std::vector<ucp_dt_iov_t> iov;
   std::vector<std::shared_ptr<Arena>> hold;
   bool refused = false;  // the reply carries a refusal
+  std::string reason;    // a refusal's payload
 };
 
 namespace {
@@ -72,10 +73,12 @@ void CopyIn(const std::vector<ucp_dt_iov_t>& iov, const void* data) {
 
 absl::Status WorkerImpl::ResolveOwnerSegments(const WireSeg* segs, uint32_t n, uint64_t total,
                                               std::vector<ucp_dt_iov_t>* iov,
-                                              std::vector<std::shared_ptr<Arena>>* hold) {
+                                              std::vector<std::shared_ptr<Arena>>* hold,
+                                              std::optional<uint32_t>* bad_seg) {
   uint64_t sum = 0;
   iov->reserve(n);
   for (uint32_t i = 0; i < n; ++i) {
+    if (bad_seg != nullptr) *bad_seg = i;  // cleared below once every segment passed
     WireSeg s;
     std::memcpy(&s, &segs[i], sizeof(s));
     std::shared_ptr<Arena> a;
@@ -97,6 +100,7 @@ absl::Status WorkerImpl::ResolveOwnerSegments(const WireSeg* segs, uint32_t n, u
     iov->push_back({a->base() + s.offset, s.len});
     sum += s.len;
   }
+  if (bad_seg != nullptr) bad_seg->reset();
   if (total != UINT64_MAX && sum != total) {
     return absl::InvalidArgumentError(
         absl::StrCat("segments cover ", sum, " bytes but the payload has ", total));
@@ -107,7 +111,8 @@ absl::Status WorkerImpl::ResolveOwnerSegments(const WireSeg* segs, uint32_t n, u
 void WorkerImpl::SendOwnerReply(ucp_ep_h reply_ep, unsigned id, uint64_t batch_id,
                                 uint32_t part, absl::Status status,
                                 std::vector<ucp_dt_iov_t> iov,
-                                std::vector<std::shared_ptr<Arena>> hold) {
+                                std::vector<std::shared_ptr<Arena>> hold,
+                                std::optional<uint32_t> bad_seg) {
   auto* op = new OwnerOp();
   op->worker = this;
   op->header.batch_id = batch_id;
@@ -116,6 +121,13 @@ void WorkerImpl::SendOwnerReply(ucp_ep_h reply_ep, unsigned id, uint64_t batch_i
   op->refused = !status.ok();
   op->iov = std::move(iov);
   op->hold = std::move(hold);
+  if (op->refused) {
+    // The initiator names the reason and the op it refers to (kMaxRefusalBytes).
+    op->header.num_segs = bad_seg ? *bad_seg + 1 : 0;
+    op->reason = std::string(status.message().substr(0, kMaxRefusalBytes));
+    op->iov.clear();
+    if (!op->reason.empty()) op->iov.push_back({op->reason.data(), op->reason.size()});
+  }
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   p.cb.send = &OwnerSendCb;
@@ -199,7 +211,7 @@ void WorkerImpl::OwnerPutReceived(OwnerOp* op, ucs_status_t status) {
 }
 
 void WorkerImpl::PutPartDone(ucp_ep_h reply_ep, const AmHeader& h, const absl::Status& status,
-                              bool reply) {
+                              bool reply, std::optional<uint32_t> bad_seg) {
   auto [it, fresh] = pending_puts_.try_emplace(std::make_pair(reply_ep, h.batch_id));
   PendingPut& pp = it->second;
   if (fresh) pp.seen.assign(h.num_parts, false);
@@ -215,7 +227,7 @@ void WorkerImpl::PutPartDone(ucp_ep_h reply_ep, const AmHeader& h, const absl::S
   }
   if (!st.ok() && !pp.refused) {
     pp.refused = true;
-    if (reply) SendOwnerReply(reply_ep, kAmPutAck, h.batch_id, h.part, st, {}, {});
+    if (reply) SendOwnerReply(reply_ep, kAmPutAck, h.batch_id, h.part, st, {}, {}, bad_seg);
   }
   if (pp.landed < pp.seen.size()) return;
   if (!pp.refused) {
@@ -263,10 +275,11 @@ void WorkerImpl::ServeGet(ucp_ep_h reply_ep, const AmHeader& h, const void* head
   for (uint32_t i = 0; i < parts; ++i) {
     std::vector<ucp_dt_iov_t> iov;
     std::vector<std::shared_ptr<Arena>> hold;
-    absl::Status s = ResolveOwnerSegments(segs, counts[i], UINT64_MAX, &iov, &hold);
+    std::optional<uint32_t> bad;
+    absl::Status s = ResolveOwnerSegments(segs, counts[i], UINT64_MAX, &iov, &hold, &bad);
     if (!s.ok()) iov.clear();
     SendOwnerReply(reply_ep, kAmGetResp, h.batch_id, h.part + i, std::move(s), std::move(iov),
-                   std::move(hold));
+                   std::move(hold), bad);
     segs += counts[i];
   }
 }
@@ -293,12 +306,13 @@ ucs_status_t WorkerImpl::OnAm(unsigned id, const void* header, size_t header_len
   std::vector<ucp_dt_iov_t> iov;
   std::vector<std::shared_ptr<Arena>> hold;
   absl::Status st;
+  std::optional<uint32_t> bad;
   if (header_len != sizeof(AmHeader) + uint64_t{h.num_segs} * sizeof(WireSeg)) {
     st = absl::InvalidArgumentError("malformed transfer header");
   } else {
     const auto* segs =
         reinterpret_cast<const WireSeg*>(static_cast<const char*>(header) + sizeof(AmHeader));
-    st = ResolveOwnerSegments(segs, h.num_segs, len, &iov, &hold);
+    st = ResolveOwnerSegments(segs, h.num_segs, len, &iov, &hold, &bad);
   }
   const bool one_reply = h.num_parts > 1;
   if (st.ok() && h.num_parts > kMaxPartsPerBatch) {
@@ -307,9 +321,9 @@ ucs_status_t WorkerImpl::OnAm(unsigned id, const void* header, size_t header_len
   }
   if (!st.ok()) {
     if (one_reply && h.num_parts <= kMaxPartsPerBatch) {
-      PutPartDone(reply_ep, h, st);
+      PutPartDone(reply_ep, h, st, /*reply=*/true, bad);
     } else {
-      SendOwnerReply(reply_ep, kAmPutAck, h.batch_id, h.part, st, {}, {});
+      SendOwnerReply(reply_ep, kAmPutAck, h.batch_id, h.part, st, {}, {}, bad);
     }
     return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
   }
@@ -349,6 +363,28 @@ ucs_status_t WorkerImpl::OnAm(unsigned id, const void* header, size_t header_len
   return UCS_INPROGRESS;
 }
 
+namespace {
+std::string RefusalMessage(const Batch& b, const AmHeader& h, const void* data, size_t len, bool rndv) {
+  // The owner's reason (its payload; a rendezvous payload is not fetched: refusals are
+  // small and eager) and the op it refers to, from the message's segments.
+  const std::string reason = !rndv && data != nullptr && len > 0 && len <= kMaxRefusalBytes
+                                 ? std::string(static_cast<const char*>(data), len)
+                                 : "check the page descriptors";
+  std::string where = absl::StrCat("message ", h.part);
+  if (h.part < b.msg_first_seg.size() && h.part < b.iovs.size()) {
+    const size_t first = b.msg_first_seg[h.part], n = b.iovs[h.part].size();
+    if (h.num_segs > 0 && h.num_segs <= n && first + h.num_segs - 1 < b.segs.size()) {
+      // Segments of consecutive ops merge when no observer needs them apart: "from".
+      absl::StrAppend(&where, ", the segment from ops[", b.segs[first + h.num_segs - 1].op, "]");
+    } else if (n > 0 && first + n - 1 < b.segs.size()) {
+      const uint32_t lo = b.segs[first].op, hi = b.segs[first + n - 1].op;
+      absl::StrAppend(&where, lo == hi ? absl::StrCat(", ops[", lo, "]") : absl::StrCat(", ops[", lo, "..", hi, "]"));
+    }
+  }
+  return absl::StrCat("peer refused the transfer (", where, "): ", reason);
+}
+}  // namespace
+
 ucs_status_t WorkerImpl::OnInitiatorReply(unsigned id, const AmHeader& h, void* data,
                                           size_t len, bool rndv, ucp_ep_h reply_ep) {
   auto it = batches_.find(h.batch_id);
@@ -383,9 +419,7 @@ ucs_status_t WorkerImpl::OnInitiatorReply(unsigned id, const AmHeader& h, void* 
   }
   if (h.status != 0) {
     --b.outstanding;
-    Finish(b, absl::Status(static_cast<absl::StatusCode>(h.status),
-                           absl::StrCat("peer refused the transfer (message ", h.part,
-                                        "): check the page descriptors")));
+    Finish(b, absl::Status(static_cast<absl::StatusCode>(h.status), RefusalMessage(b, h, data, len, rndv)));
     MaybeFree(b.id);
     return UCS_OK;
   }

@@ -18,6 +18,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -70,6 +71,10 @@ struct AmHeader {
   // answered by its own kAmGetResp. 0: one message.
   uint32_t num_parts;
 };
+// A refusal (an ack or get response with status != 0) carries the owner's reason as
+// its payload, at most this many bytes, and in num_segs the refused segment's index + 1
+// within its message (0: not one segment). Initiators that predate this ignore both.
+inline constexpr size_t kMaxRefusalBytes = 512;
 // The most messages a batch answered once may have (the owner tracks each one).
 inline constexpr uint32_t kMaxPartsPerBatch = 1u << 20;
 // The most segments in one message's (or one get request's) header.
@@ -188,6 +193,7 @@ struct Batch {
   bool one_reply = false;
   // AM: per-message local iovs and headers (alive until the message completes).
   std::vector<std::vector<ucp_dt_iov_t>> iovs;
+  std::vector<size_t> msg_first_seg;  // AM: each message's first index in segs
   std::vector<std::string> headers;
 };
 
@@ -361,12 +367,18 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   void ReapClosedEndpoints();
   // Destroys retired_ rkeys no batch holds any more; under ucx_mu_.
   void SweepRkeys();
+  // `bad_seg` (optional): set to the index of the segment refused, if one was.
   absl::Status ResolveOwnerSegments(const WireSeg* segs, uint32_t n, uint64_t total,
                                     std::vector<ucp_dt_iov_t>* iov,
-                                    std::vector<std::shared_ptr<Arena>>* hold);
+                                    std::vector<std::shared_ptr<Arena>>* hold,
+                                    std::optional<uint32_t>* bad_seg = nullptr);
+  // A refusal (status not OK) carries its message as the payload (at most
+  // kMaxRefusalBytes) and, in AmHeader::num_segs, bad_seg + 1 when one segment was
+  // refused (0: the message as a whole).
   void SendOwnerReply(ucp_ep_h reply_ep, unsigned id, uint64_t batch_id, uint32_t part,
                       absl::Status status, std::vector<ucp_dt_iov_t> iov,
-                      std::vector<std::shared_ptr<Arena>> hold);
+                      std::vector<std::shared_ptr<Arena>> hold,
+                      std::optional<uint32_t> bad_seg = std::nullopt);
   // Owner: answers a kAmGetReq, one kAmGetResp per message it asks for.
   void ServeGet(ucp_ep_h reply_ep, const AmHeader& h, const void* header, size_t header_len);
   ucs_status_t OnInitiatorReply(unsigned id, const AmHeader& h, void* data, size_t len,
@@ -376,7 +388,7 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   // or its initiator's endpoint failed (reply false: nothing is answered any more).
   // After the last message, an OK batch gets its one kAmPutAck.
   void PutPartDone(ucp_ep_h reply_ep, const AmHeader& h, const absl::Status& status,
-                   bool reply = true);
+                   bool reply = true, std::optional<uint32_t> bad_seg = std::nullopt);
   // Drops the records of puts whose messages stopped coming (a dead or timed-out
   // initiator) after kPendingPutTtl without one.
   void SweepPendingPuts();

@@ -1192,6 +1192,8 @@ void WorkerImpl::StartAm(Batch& b) {
   }
   const size_t nmsg = msgs.size();
   b.iovs.resize(nmsg);
+  b.msg_first_seg.resize(nmsg);
+  for (size_t m = 0; m < nmsg; ++m) b.msg_first_seg[m] = msgs[m].first;
   for (size_t m = 0; m < nmsg; ++m) {
     const auto [first, n] = msgs[m];
     b.iovs[m].resize(n);
