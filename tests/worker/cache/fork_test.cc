@@ -105,6 +105,24 @@ TEST(ForkTest, ForkErrors) {
   EXPECT_EQ(m->block_pool().block(1).ref_cnt, 1);
 }
 
+// Slots allocated ahead of the known tokens (a lookahead of 5) would be shared for
+// writing: each child writes its own tokens there, and copy-on-write only guards a write
+// that adds slots. Fork refuses until the tokens are known, and changes nothing.
+TEST(ForkTest, ForkWithSlotsAheadOfTheKnownTokensIsRefused) {
+  auto m = MakeManager(PagedConfig(20, kB));
+  Prefill(*m, TokenRequest(0, Seq(0, kB + 4)));
+  ASSERT_TRUE(m->AllocateSlots(0, 5).ok());  // slots kB+4 .. kB+8, tokens not known yet
+  auto f = m->Fork(0, std::vector<RequestId>{1});
+  EXPECT_EQ(f.status().code(), absl::StatusCode::kFailedPrecondition) << f.status();
+  EXPECT_THAT(std::string(f.status().message()), ::testing::HasSubstr("slots ahead"));
+  EXPECT_EQ(m->NumTokens(1), 0);
+  EXPECT_EQ(m->block_pool().block(Table(*m, 0)[1]).ref_cnt, 1);
+  // Once the tokens are known the slots are the parent's computed tokens: Fork shares them.
+  ASSERT_TRUE(m->AppendTokens(0, std::vector<TokenId>{1, 2, 3, 4, 5}).ok());
+  ASSERT_TRUE(m->Fork(0, std::vector<RequestId>{1}).ok());
+  EXPECT_EQ(m->block_pool().block(Table(*m, 0)[1]).ref_cnt, 2);
+}
+
 // A count past the whole cache is refused before base + n or the block count could
 // overflow (they threw std::length_error from vector::reserve, ending the process).
 TEST(ForkTest, AllocateSlotsBeyondTheCacheIsRefused) {

@@ -352,6 +352,16 @@ absl::StatusOr<std::vector<CopyOp>> KvCacheManager::Fork(RequestId parent,
   const Request* p = Find(parent);
   if (p == nullptr) return UnknownRequest(parent);
   RETURN_IF_ERROR(CheckForkChildren(parent, children, [&](RequestId c) { return requests_.contains(c); }));
+  // Slots allocated ahead of the known tokens (speculative or lookahead slots) are
+  // written later by each holder, into blocks the children would share: copy-on-write
+  // only guards the write that adds slots to a shared partial block.
+  if (p->num_slots > p->num_known_tokens) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "fork of request ", parent, ": it holds slots for ", p->num_slots, " tokens but knows ",
+        p->num_known_tokens, "; the ", p->num_slots - p->num_known_tokens,
+        " slots ahead would be written by every child into shared blocks; fork before allocating "
+        "slots ahead (or AppendTokens for them first)"));
+  }
   const int32_t state_pages = config_.layout.state_pages;
   const bool copy_state = p->live_state != kNoBlock;
   const int64_t need = copy_state ? static_cast<int64_t>(children.size()) * state_pages : 0;

@@ -134,6 +134,8 @@ class CacheManager {
                                                        const PrefixHit* hit = nullptr) = 0;
   // n parallel samples / beams: each child shares every block of `parent` read-only.
   // Returns the payload copies the caller must do (e.g. a KDA live state per child).
+  // FAILED_PRECONDITION (paged) while `parent` holds slots ahead of its known tokens:
+  // each holder would write its own tokens into those shared slots.
   virtual absl::StatusOr<std::vector<CopyOp>> Fork(RequestId parent,
                                                    std::span<const RequestId> children) = 0;
   // Releases the request's blocks in reverse order. NOT_FOUND for an unknown id.
