@@ -23,6 +23,7 @@
 #include "kvpool/v1/pool.grpc.pb.h"
 #include "kvpool/v1/worker.grpc.pb.h"
 #include "kvpool/worker/service/worker_server.h"
+#include "../../../worker/service/src/engine.h"  // SplitPrefixHit
 
 namespace kvpool::worker {
 namespace {
@@ -783,6 +784,23 @@ TEST(WorkerService, HybridPromptCountsItsStatePages) {
   EXPECT_NE(too_long.error_message().find("--num-blocks=127"), std::string::npos) << too_long.error_message();
   const grpc::Status fits = PrefillOfLength(*stub, 3 * 64);
   EXPECT_TRUE(fits.ok()) << fits.error_message();
+}
+
+// A request's prefix hit splits into local and pool tokens by position: the local
+// prefix at admission first, then the blocks fetched after it. When fetched blocks are
+// evicted before the prefill step the hit is shorter from its end, and the pool share
+// shrinks (before, min(fetched, hit) counted the local prefix as fetched).
+TEST(SplitPrefixHit, ByPositionInThePrefix) {
+  auto split = [](int64_t hit, int64_t local, int64_t fetched) {
+    const HitSplit s = SplitPrefixHit(hit, local, fetched);
+    return std::pair{s.gpu_tokens, s.pool_tokens};
+  };
+  EXPECT_EQ(split(80, 32, 48), (std::pair<int64_t, int64_t>{32, 48}));   // as fetched
+  EXPECT_EQ(split(64, 32, 48), (std::pair<int64_t, int64_t>{32, 32}));   // the last fetched block evicted
+  EXPECT_EQ(split(16, 32, 48), (std::pair<int64_t, int64_t>{16, 0}));    // a local block evicted
+  EXPECT_EQ(split(112, 32, 48), (std::pair<int64_t, int64_t>{64, 48}));  // longer: cached by others meanwhile
+  EXPECT_EQ(split(48, 48, 0), (std::pair<int64_t, int64_t>{48, 0}));     // nothing fetched
+  EXPECT_EQ(split(0, 0, 0), (std::pair<int64_t, int64_t>{0, 0}));
 }
 
 }  // namespace

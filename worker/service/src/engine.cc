@@ -245,6 +245,7 @@ void Engine::Admit(std::unique_ptr<Pending> p) {
     while (local < usable && block_pool_->GetCachedBlock(chain[static_cast<size_t>(local)]) != cache::kNoBlock) ++local;
     const absl::Time t1 = MonotonicNow();
     p->local_hit_s = Seconds(t1 - t0);
+    p->local_tokens = local * b;
     if (local < usable) {
       p->pool_tokens = FetchFromPool(chain, local, usable);
       p->pool_fetch_s = Seconds(MonotonicNow() - t1);
@@ -408,6 +409,12 @@ void Engine::StepOnce() {
   }
 }
 
+HitSplit SplitPrefixHit(int64_t hit_tokens, int64_t local_tokens, int64_t fetched_tokens) {
+  const int64_t pool = std::clamp<int64_t>(std::min(hit_tokens, local_tokens + fetched_tokens) - local_tokens, 0,
+                                           fetched_tokens);
+  return {hit_tokens - pool, pool};
+}
+
 void Engine::Respond(Pending& p, absl::StatusOr<model::GenerateResult> r) {
   if (!r.ok()) {
     Answer(p, r.status());
@@ -417,8 +424,7 @@ void Engine::Respond(Pending& p, absl::StatusOr<model::GenerateResult> r) {
   out.set_request_id(p.req.request_id);
   for (TokenId t : r->output_tokens) out.add_output_tokens(t);
   out.set_hidden_digest(r->hidden_digest.ToBytes());
-  const int64_t pool_tokens = std::min<int64_t>(p.pool_tokens, r->hit_tokens);
-  const int64_t gpu_tokens = r->hit_tokens - pool_tokens;
+  const auto [gpu_tokens, pool_tokens] = SplitPrefixHit(r->hit_tokens, p.local_tokens, p.pool_tokens);
   out.set_prompt_tokens(static_cast<uint32_t>(r->prompt_tokens));
   out.set_gpu_hit_tokens(static_cast<uint32_t>(gpu_tokens));
   out.set_pool_hit_tokens(static_cast<uint32_t>(pool_tokens));

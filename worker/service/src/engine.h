@@ -75,6 +75,17 @@ struct EngineRequest {
 
 using EngineDone = std::function<void(absl::StatusOr<v1::GenerateResponse>)>;
 
+// How a request's prefix hit of `hit_tokens` (the runner's, at its prefill step) splits
+// into local (GPU) and pool tokens. At admission the local cache held `local_tokens` of
+// the prompt's prefix and `fetched_tokens` more were imported from the pool right after
+// them. The hit is a prefix: blocks evicted before the step (imported or local) shorten
+// it from the end, blocks other requests cached meanwhile lengthen it, and those are local.
+struct HitSplit {
+  int64_t gpu_tokens = 0;
+  int64_t pool_tokens = 0;
+};
+HitSplit SplitPrefixHit(int64_t hit_tokens, int64_t local_tokens, int64_t fetched_tokens);
+
 class Engine : public cache::KvEventSink {
  public:
   static absl::StatusOr<std::unique_ptr<Engine>> Create(EngineConfig config, MetricsRegistry* metrics);
@@ -126,7 +137,8 @@ class Engine : public cache::KvEventSink {
     double local_hit_s = 0;
     double pool_fetch_s = 0;
     double recompute_s = 0;
-    int64_t pool_tokens = 0;  // prompt tokens fetched from pool nodes
+    int64_t local_tokens = 0;  // prompt prefix in the local cache at admission (before fetching)
+    int64_t pool_tokens = 0;   // prompt tokens fetched from pool nodes (after local_tokens)
     bool started = false;
     bool decision_released = false;  // CompleteDecision sent (prefill done, or failed)
     bool Cancelled() const { return req.cancelled != nullptr && req.cancelled->load(std::memory_order_relaxed); }
