@@ -704,10 +704,14 @@ TEST_F(ServiceTest, CorruptedPieceOfAPipelinedPutIsDroppedAndItsPagesFreed) {
 }
 
 // A pipelined Put whose second piece cannot be reserved (larger than the node's whole
-// DRAM tier) fails; the pieces reserved ahead of it are ended by the client at once
-// (empty Commits), not left pinned until reserve_timeout (30 s here, far beyond the test).
+// DRAM tier) fails; the piece reserved ahead of it (a Reserve per piece here) is ended by
+// the client at once (an empty Commit with end_now), not left pinned until
+// reserve_timeout (30 s here, far beyond the test).
 TEST_F(ServiceTest, FailedPipelinedPutEndsTheReservationsItMadeAhead) {
-  auto client = ConnectPipelined("failing-put", 100'000);  // one piece per item
+  PoolClientOptions o = ClientOptions("failing-put");
+  o.put_pipeline_bytes = 100'000;       // one piece per item
+  o.put_reserve_group_bytes = 100'000;  // and one Reserve per piece
+  auto client = ConnectWith(o);
   ASSERT_NE(client, nullptr);
   const uint64_t too_big = 80 * kNodePage;  // the node holds 64 pages
   const std::vector<PutItem> items = StageChain(700, 700, {100'000, too_big, 100'000, 100'000});

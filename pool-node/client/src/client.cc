@@ -201,12 +201,6 @@ class PhaseTimer {
   const std::chrono::steady_clock::time_point t0_;
 };
 
-// Put reserves groups of pieces of about this many bytes in one Reserve each, one group
-// ahead of the copies, and commits piece by piece (partial Commits). With a Reserve per
-// 8 MiB piece, two pieces ahead, the client waited ~0.27 ms per piece for its Reserve on
-// this 2-core host (12% of a shared-memory Put's time), and each RPC costs the calling
-// thread ~0.1 ms here.
-constexpr uint64_t kReserveGroupBytes = 64 << 20;
 }  // namespace
 
 PoolClient::PoolClient() : s_(std::make_unique<State>()) {}
@@ -377,7 +371,7 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
   s_->put_calls.fetch_add(1, std::memory_order_relaxed);
   const PhaseTimer total_timer(s_->put_total_ns);
   // Pieces of about put_pipeline_bytes, the unit of transfer and Commit; groups of
-  // pieces of about kReserveGroupBytes, the unit of Reserve. The next group's Reserve is
+  // pieces of about put_reserve_group_bytes, the unit of Reserve. The next group's Reserve is
   // in flight while a group's pieces are copied, and the Commit of piece k (the node
   // checksums it) while piece k+1 is copied; each group's last Commit is final.
   std::vector<std::pair<size_t, size_t>> pieces;  // [begin, end) of items
@@ -421,7 +415,7 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
     for (size_t k = 0; k < pieces.size(); ++k) {
       for (size_t i = pieces[k].first; i < pieces[k].second; ++i) bytes += items[i].length;
       group_of[k] = groups.size();
-      if (k + 1 == pieces.size() || bytes >= kReserveGroupBytes ||
+      if (k + 1 == pieces.size() || bytes >= s_->opt.put_reserve_group_bytes ||
           pieces[k + 1].second - pieces[first].first > kMaxEntriesPerRpc) {
         groups.emplace_back(first, k + 1);
         first = k + 1;
