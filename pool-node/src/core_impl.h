@@ -90,11 +90,15 @@ struct EvictionPlan {
   std::set<std::pair<uint64_t, ObjectKey>> exposed;
   absl::flat_hash_map<ObjectKey, size_t> children_left;  // in the tier, not chosen yet
   uint64_t pages = 0;  // the victims' pages in the tier
-  // DRAM plans: pass over DRAM-only objects with a child on NVMe (Impl::Strands). Their
-  // drop would leave that NVMe chain unreachable to a prefix Lookup until the parent is
-  // put again; demotion moves them out whole instead. Eviction plans with this first and
-  // without it only when the room cannot be made otherwise.
+  // DRAM plans: DRAM-only objects with a child on NVMe (Impl::Strands), whose drop would
+  // put that NVMe chain out of reach of prefix Lookups until the parent is put again
+  // (demotion moves them out whole instead), are passed over and kept here, least
+  // recently used first, up to kMaxSpared per plan; they are taken only once nothing
+  // else is left. Past that bound (a DRAM of many split chains) they are taken in LRU
+  // order like any leaf, so a plan never walks more than kMaxSpared extra leaves.
   bool spare_strands = false;
+  std::vector<std::pair<uint64_t, ObjectKey>> spared;
+  static constexpr size_t kMaxSpared = 256;
 };
 
 class PoolCore::Impl {

@@ -248,40 +248,54 @@ bool PoolCore::Impl::Evict(int t, uint64_t free_pages) {
   // While pages are held back the journal is failing: an evicted copy's pages would be
   // held back too (a restart brings it back, but this node would serve it no more).
   if (t == static_cast<int>(Tier::kNvme) && !nvme_quarantine_.empty()) return false;
-  // DRAM: first without victims that would strand an NVMe chain (EvictionPlan::spare_strands).
-  for (const bool spare : {t == static_cast<int>(Tier::kDram), false}) {
-    EvictionPlan plan;
-    plan.tier = t;
-    plan.spare_strands = spare;
-    if (PlanVictims(plan, std::nullopt, free_pages - alloc_[t]->free_pages())) return DropVictims(plan);
-    if (!spare) break;
-  }
-  return false;
+  EvictionPlan plan;
+  plan.tier = t;
+  plan.spare_strands = t == static_cast<int>(Tier::kDram);
+  return PlanVictims(plan, std::nullopt, free_pages - alloc_[t]->free_pages()) && DropVictims(plan);
 }
 
 bool PoolCore::Impl::PlanVictims(EvictionPlan& plan, std::optional<StateKind> kind, uint64_t pages) {
   const int t = plan.tier;
   const bool spare = plan.spare_strands && t == static_cast<int>(Tier::kDram);
-  auto eligible = [&](const ObjectKey& k) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return (!kind || k.kind == *kind) && !plan.chosen.contains(k) && !(spare && Strands(*Find(k)));
+  auto eligible = [&](const ObjectKey& k) { return (!kind || k.kind == *kind) && !plan.chosen.contains(k); };
+  // Passes over a strand while the plan may spare more (EvictionPlan::spared).
+  auto spared = [&](uint64_t tick, const ObjectKey& k) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!spare || plan.spared.size() >= EvictionPlan::kMaxSpared || !Strands(*Find(k))) return false;
+    plan.spared.emplace_back(tick, k);
+    return true;
   };
   // Leaves of the tier do not change while planning, and one passed over (held, of
   // another kind, chosen, spared) stays so: one forward walk. Exposed parents join in
-  // tick order.
+  // tick order; spared ones leave `exposed` for `spared`.
   auto leaf = leaves_[t].begin();
   uint64_t got = 0;
   while (got < pages) {
-    while (leaf != leaves_[t].end() && !(eligible(leaf->second) && Evictable(*Find(leaf->second), t))) ++leaf;
+    while (leaf != leaves_[t].end() &&
+           !(eligible(leaf->second) && Evictable(*Find(leaf->second), t) && !spared(leaf->first, leaf->second))) {
+      ++leaf;
+    }
     auto parent = plan.exposed.begin();
     while (parent != plan.exposed.end() && !eligible(parent->second)) ++parent;
+    if (parent != plan.exposed.end() && spared(parent->first, parent->second)) {
+      plan.exposed.erase(parent);
+      continue;  // look again: the leaf walk has not moved
+    }
     const bool from_leaves =
         leaf != leaves_[t].end() && (parent == plan.exposed.end() || *leaf < *parent);
-    if (!from_leaves && parent == plan.exposed.end()) return false;
-    const ObjectKey key = from_leaves ? leaf->second : parent->second;
+    ObjectKey key;
     if (from_leaves) {
-      ++leaf;
-    } else {
+      key = (leaf++)->second;
+    } else if (parent != plan.exposed.end()) {
+      key = parent->second;
       plan.exposed.erase(parent);
+    } else {
+      // Nothing else is left: the spared strands, least recently used first.
+      auto last = std::min_element(plan.spared.begin(), plan.spared.end(), [&](const auto& a, const auto& b) {
+        return std::pair(!eligible(a.second), a.first) < std::pair(!eligible(b.second), b.first);
+      });
+      if (last == plan.spared.end() || !eligible(last->second)) return false;
+      key = last->second;
+      plan.spared.erase(last);
     }
     const Object& o = *Find(key);
     plan.victims.push_back(key);

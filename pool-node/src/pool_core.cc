@@ -266,40 +266,27 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
         " more unleased", im.HeldBackNote(), "; nothing was evicted; retry later, release leases or add --dram"));
   }
   // Every victim is chosen before any is dropped: first what each kind's quota needs,
-  // then what the tier still needs beyond the room those make. A first plan spares
-  // DRAM-only parents of NVMe chains (EvictionPlan::spare_strands); a second takes them
-  // only when the room cannot be made otherwise. Returns the kind whose quota cannot be
-  // met, kNumKinds if the tier's room cannot be, or -1 when the plan makes the room.
-  auto plan_room = [&](EvictionPlan& plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.mu_) {
-    for (int k = 0; k < kNumKinds; ++k) {
-      const uint64_t quota = options_.dram_quota_bytes[k] / page_bytes_;
-      if (options_.dram_quota_bytes[k] == 0 || need_kind[k] == 0) continue;
-      const uint64_t limit = quota - need_kind[k] - im.reserved_by_kind_[k];  // fits: checked above
-      const uint64_t used = im.used_by_kind_[kD][k];
-      if (used > limit && !im.PlanVictims(plan, static_cast<StateKind>(k), used - limit)) return k;
-    }
-    const uint64_t room = dram_free + plan.pages;
-    if (need > room && !im.PlanVictims(plan, std::nullopt, need - room)) return kNumKinds;
-    return -1;
-  };
+  // then what the tier still needs beyond the room those make. DRAM-only parents of
+  // NVMe chains go last (EvictionPlan::spare_strands).
   EvictionPlan plan;
   plan.tier = kD;
   plan.spare_strands = true;
-  int short_of = plan_room(plan);
-  if (short_of >= 0) {
-    plan = EvictionPlan{};
-    plan.tier = kD;
-    short_of = plan_room(plan);
+  for (int k = 0; k < kNumKinds; ++k) {
+    const uint64_t quota = options_.dram_quota_bytes[k] / page_bytes_;
+    if (options_.dram_quota_bytes[k] == 0 || need_kind[k] == 0) continue;
+    const uint64_t limit = quota - need_kind[k] - im.reserved_by_kind_[k];  // fits: checked above
+    const uint64_t used = im.used_by_kind_[kD][k];
+    if (used > limit && !im.PlanVictims(plan, static_cast<StateKind>(k), used - limit)) {
+      unpin();
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the DRAM quota for ", StateKindName(static_cast<StateKind>(k)), " (",
+          options_.dram_quota_bytes[k], " bytes) cannot fit ", need_kind[k] * page_bytes_,
+          " more bytes: leased objects (or the chains above them) hold the rest; nothing was evicted; "
+          "retry later or raise the quota"));
+    }
   }
-  if (short_of >= 0 && short_of < kNumKinds) {
-    unpin();
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the DRAM quota for ", StateKindName(static_cast<StateKind>(short_of)), " (",
-        options_.dram_quota_bytes[short_of], " bytes) cannot fit ", need_kind[short_of] * page_bytes_,
-        " more bytes: leased objects (or the chains above them) hold the rest; nothing was evicted; "
-        "retry later or raise the quota"));
-  }
-  if (short_of == kNumKinds) {
+  const uint64_t room = dram_free + plan.pages;
+  if (need > room && !im.PlanVictims(plan, std::nullopt, need - room)) {
     unpin();
     return absl::ResourceExhaustedError(absl::StrCat(
         "Reserve needs ", need, " pages (", need * page_bytes_, " bytes) but the DRAM tier has ",

@@ -782,6 +782,27 @@ TEST_F(NvmeTierTest, DramEvictionSparesTheParentOfAnNvmeChain) {
   ExpectChainReadsBack(*core, 1, 3, kPage);
 }
 
+// When the room needs them, the parents of NVMe chains go after every other leaf, and
+// then least recently used first: one chain is cut, not two.
+TEST_F(NvmeTierTest, ParentsOfNvmeChainsGoLastAndOnlyAsManyAsTheRoomNeeds) {
+  auto core = Make(4, 16);
+  PutChain(*core, 1, 2, kPage);  // H1 -> H2
+  ASSERT_EQ(core->Demote(1), 1u);  // H2 to NVMe
+  PutChain(*core, 3, 2, kPage);  // H3 -> H4
+  auto used = core->Lookup({.hashes = {H(1)}});  // H1 is now more recent than H3 and H4
+  ASSERT_TRUE(used.ok()) << used.status();
+  ASSERT_TRUE(core->Release(used->lease_id).ok());
+  ASSERT_EQ(core->Demote(1), 1u);  // the coldest leaf, H4, to NVMe
+  ASSERT_FALSE(core->Inspect({H(4), StateKind::kAttnKv})->in_dram);
+  ASSERT_TRUE(Put(*core, H(10), std::nullopt, Pattern(10, kPage)).ok());
+  ASSERT_TRUE(Put(*core, H(11), std::nullopt, Pattern(11, kPage)).ok());  // DRAM full: H1 H3 H10 H11
+  ASSERT_TRUE(Put(*core, H(20), std::nullopt, Pattern(20, 3 * kPage)).ok());  // three pages
+  EXPECT_FALSE(core->Inspect({H(10), StateKind::kAttnKv}).has_value());
+  EXPECT_FALSE(core->Inspect({H(11), StateKind::kAttnKv}).has_value());
+  EXPECT_FALSE(core->Inspect({H(3), StateKind::kAttnKv}).has_value());  // the older of the two
+  EXPECT_TRUE(core->Inspect({H(1), StateKind::kAttnKv}).has_value());
+}
+
 TEST_F(NvmeTierTest, AParentOfAnNvmeChainStillMakesRoomWhenNothingElseCan) {
   auto core = Make(2, 16);
   PutChain(*core, 1, 2, kPage);  // H1 -> H2
