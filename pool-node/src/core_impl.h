@@ -68,6 +68,7 @@ struct ReservationState {
   uint32_t claimed = 0;     // Commits that came (claimed their entries)
   uint32_t done = 0;        // Commits published
   uint32_t last = 0;        // from a final Commit: the reservation's Commits in all (0: none yet)
+  bool ended_early = false; // an end_now Commit came: unnamed entries' pages are held back
   std::vector<ReservedEntry> entries;
   // Index of each entry by block hash (unique in a reservation): a Commit of a few
   // entries of a large reservation claims them without scanning it under the lock.

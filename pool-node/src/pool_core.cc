@@ -350,8 +350,12 @@ absl::StatusOr<std::vector<CommitOutcome>> PoolCore::Commit(uint64_t reservation
     }
     ReservationState& rs = it->second;
     // end_now: no Commit that has not come yet is waited for (this one is the last).
-    if (end_now) rs.last = rs.claimed + 1;
-    else if (!partial) rs.last = std::max<uint32_t>(commits, rs.claimed + 1);
+    if (end_now) {
+      rs.last = rs.claimed + 1;
+      rs.ended_early = true;
+    } else if (!partial) {
+      rs.last = std::max<uint32_t>(commits, rs.claimed + 1);
+    }
     ++rs.claimed;
     for (size_t i = 0; i < entries.size(); ++i) {
       auto found = rs.by_hash.find(entries[i].hash);
@@ -420,7 +424,12 @@ absl::StatusOr<std::vector<CommitOutcome>> PoolCore::Commit(uint64_t reservation
   --rs.committing;
   ++rs.done;
   if (rs.last != 0 && rs.done >= rs.last && rs.committing == 0) {
-    im.FreeReservation(rs);
+    // A client ends a reservation early when a Put failed, maybe in a transfer it gave
+    // up on (one-sided: it may still land): the pages no Commit named are held back one
+    // reserve timeout, as a timed-out reservation's are.
+    std::vector<uint32_t> held;
+    im.FreeReservation(rs, rs.ended_early ? &held : nullptr);
+    im.HoldBack(std::move(held), im.clock_->NowMs());
     im.reservations_.erase(it);
   }
   return out;

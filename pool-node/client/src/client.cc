@@ -619,7 +619,11 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
       out[pieces[k].first + j] = absl::Status(static_cast<absl::StatusCode>(r.code()), r.message());
     }
   }
-  if (!err.ok()) EndOpenReservations(*s_->stub, s_->opt.rpc_timeout_ms, cq, groups, reserves, commits);
+  // Not after DEADLINE_EXCEEDED: a node too slow to answer would make the failed Put
+  // wait out another RPC timeout (and a reservation that ran out is gone already).
+  if (!err.ok() && !absl::IsDeadlineExceeded(err)) {
+    EndOpenReservations(*s_->stub, s_->opt.rpc_timeout_ms, cq, groups, reserves, commits);
+  }
   Drain(cq, 0);
   if (!err.ok()) return err;
   return out;
