@@ -1233,11 +1233,12 @@ TEST(FallbackArena, WorkerDestroyedDuringAMappedCopyKeepsTheMappingUntilItEnds) 
 }
 
 // A descriptor of a fallback arena that claims more bytes than the owner allocated
-// (forged, or another arena's size) is refused by the batches that name it: UCX maps the
-// owner's allocation, ucp_rkey_ptr only adds offsets, so a page past its end would be
-// copied outside the mapping (a fault, or bytes in whatever is mapped there). The
-// descriptor's own pages within the real size are refused too: the import is unusable.
-TEST(FallbackArena, ADescriptorLargerThanTheMappingIsRefused) {
+// (forged, or another arena's size), or another base, is refused by the batches that
+// name it: UCX maps the owner's allocation, ucp_rkey_ptr only adds offsets, so a page
+// past its end (or off a wrong base) would be copied outside the mapping (a fault, or
+// bytes in whatever is mapped there). The descriptor's own pages within the real size
+// are refused too: the import is unusable.
+TEST(FallbackArena, ADescriptorThatDoesNotMatchTheMappingIsRefused) {
   ContextOptions co;
   co.ucx_config.push_back({"TLS", "sm,self"});
   auto oc = Context::Create(co);
@@ -1268,6 +1269,21 @@ TEST(FallbackArena, ADescriptorLargerThanTheMappingIsRefused) {
     std::vector<TransferOp> ops(1);
     ops[0].local = PageRun{(*ca)->id(), {0}, kOwnerPage};
     ops[0].remote = PageRun{forged.arena_id, {page}, kOwnerPage};
+    absl::Status st = Await((*ep)->Put(std::move(ops)));
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+    EXPECT_TRUE(absl::StrContains(st.message(), "does not describe the owner's arena")) << st;
+  }
+  // A base that is not the segment's: a page into it (with the size cut to fit), or far
+  // below it (somewhere else in this process, or nowhere).
+  for (const int64_t shift : {int64_t{4096}, -(int64_t{1} << 30)}) {
+    SCOPED_TRACE(shift);
+    RemoteArena moved = (*oa)->descriptor();
+    moved.base += static_cast<uint64_t>(shift);
+    if (shift > 0) moved.size -= kOwnerPage;
+    ASSERT_TRUE((*ep)->ImportArena(moved).ok());
+    std::vector<TransferOp> ops(1);
+    ops[0].local = PageRun{(*ca)->id(), {0}, kOwnerPage};
+    ops[0].remote = PageRun{moved.arena_id, {0}, kOwnerPage};
     absl::Status st = Await((*ep)->Put(std::move(ops)));
     EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
     EXPECT_TRUE(absl::StrContains(st.message(), "does not describe the owner's arena")) << st;

@@ -125,10 +125,16 @@ struct OwnerOp;
 // the kernel can map it with 2 MiB pages (see MakeHugeMapped). Null on failure.
 std::byte* AttachShared(int shm_id, uint64_t size);
 void DetachShared(std::byte* p);
-// Bytes from `p` to the end of the mapping that holds it (with the mappings that
-// continue the same file or memory right after it), from /proc/self/maps; 0 if nothing
-// is mapped at p.
-uint64_t MappedBytesFrom(const void* p);
+// What /proc/self/maps says of the mapping that holds `p`: the bytes from p to its end
+// (with the mappings that continue the same file right after it; 0 if nothing is mapped
+// at p), whether it is shared, its inode (0: anonymous) and p's offset in that object.
+struct MappedObject {
+  uint64_t bytes = 0;
+  bool shared = false;
+  uint64_t inode = 0;
+  uint64_t offset = 0;
+};
+MappedObject MappedObjectAt(const void* p);
 
 struct RemoteKey {
   explicit RemoteKey(RemoteArena d) : desc(std::move(d)) {}

@@ -200,14 +200,15 @@ std::byte* AttachShared(int shm_id, uint64_t size) {
 
 void DetachShared(std::byte* p) { shmdt(p); }
 
-uint64_t MappedBytesFrom(const void* p) {
+MappedObject MappedObjectAt(const void* p) {
   // /proc/self/maps lines: "start-end perms offset dev inode [path]". The mapping that
   // holds p, and the ones right after it that continue the same object (same device and
   // inode, the file offset going on where the last one ended; a mapping split by
   // madvise or mprotect is several lines). Anonymous mappings (inode 0) are not joined:
   // two of them side by side may be unrelated.
+  MappedObject out;
   std::FILE* f = std::fopen("/proc/self/maps", "re");
-  if (f == nullptr) return 0;
+  if (f == nullptr) return out;
   const auto at = reinterpret_cast<uintptr_t>(p);
   uintptr_t end = 0;
   unsigned long long ino = 0, next_off = 0;
@@ -221,6 +222,9 @@ uint64_t MappedBytesFrom(const void* p) {
     if (end == 0) {
       if (at < lo || at >= hi) continue;
       end = hi;
+      out.shared = perms[3] == 's';
+      out.inode = i;
+      out.offset = off + (at - lo);
     } else if (lo == end && i == ino && ma == dev_major && mi == dev_minor && ino != 0 && off == next_off) {
       end = hi;
     } else {
@@ -235,7 +239,8 @@ uint64_t MappedBytesFrom(const void* p) {
     }
   }
   std::fclose(f);
-  return end == 0 ? 0 : end - at;
+  if (end != 0) out.bytes = end - at;
+  return out;
 }
 
 // Worker address: "KVW1" | u32 pid | u16 len | host key | UCX worker address. The pid
@@ -955,15 +960,20 @@ ucp_rkey_h WorkerImpl::RkeyFor(EndpointImpl& ep, RemoteKey& key) {
       MakeHugeMapped(key.mapped, key.desc.size);
     } else if (ucp_rkey_ptr(key.rkey, key.desc.base, &mapped) != UCS_OK) {
       mapped = nullptr;  // (UCX's mapping of a fallback arena, above)
-    } else if (const uint64_t held = MappedBytesFrom(mapped); held < key.desc.size) {
-      // UCX's mapping of a fallback arena: ucp_rkey_ptr only adds an offset, so a
-      // descriptor that claims more bytes than the owner allocated would have copies
-      // (and the Populate below) run past the mapping. The SysV path checks the
-      // segment's size the same way.
-      key.refused = absl::StrCat("remote arena ", key.desc.arena_id, ": its descriptor says ", key.desc.size,
-                                 " bytes but UCX mapped ", held,
-                                 " from its base here; it does not describe the owner's arena (import the "
-                                 "owner's own descriptor)");
+    } else if (const MappedObject m = MappedObjectAt(mapped);
+               !m.shared || m.inode == 0 || m.offset != 0 || m.bytes < key.desc.size) {
+      // UCX's mapping of a fallback arena (a shared segment, mapped from its start):
+      // ucp_rkey_ptr only adds an offset, so a descriptor whose size is larger than the
+      // owner allocated, or whose base is not the segment's, would have copies (and the
+      // Populate below) run past the mapping or into other memory. The SysV path checks
+      // the segment's size the same way.
+      key.refused = absl::StrCat(
+          "remote arena ", key.desc.arena_id, ": its descriptor (base 0x", absl::Hex(key.desc.base), ", ",
+          key.desc.size, " bytes) does not match what UCX mapped for it here (",
+          m.bytes == 0 ? std::string("nothing at that base")
+                       : absl::StrCat(m.bytes, " bytes of a ", m.shared ? "shared" : "private", " mapping, from offset ",
+                                      m.offset),
+          "); it does not describe the owner's arena (import the owner's own descriptor)");
       mapped = nullptr;
     }
     if (mapped != nullptr) Populate(static_cast<std::byte*>(mapped), key.desc.size, /*fresh=*/false);
