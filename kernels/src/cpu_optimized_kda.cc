@@ -76,7 +76,11 @@ namespace {
 void Chunk(const SimdOps& ops, int C, int dk, int dv, const float* q, const float* k,
            const float* g, int64_t g_stride, const float* v, int64_t v_stride, const float* beta,
            int64_t beta_stride, float scale, float* S, float* out, int64_t out_stride) {
-  std::vector<float> G(static_cast<size_t>(C) * dk), u(static_cast<size_t>(C) * dv), w(dk), e(dk), L(static_cast<size_t>(C) * C);
+  // G in double: after a run of resets it is near -88 x the run's length, where fp32
+  // spacing (2e-4 at ~-3500) would swamp the small gates that follow, and every
+  // exp(G_t - G_s) would carry that error (3e-4 in the output after 40 resets).
+  std::vector<double> G(static_cast<size_t>(C) * dk);
+  std::vector<float> u(static_cast<size_t>(C) * dv), w(dk), e(dk), L(static_cast<size_t>(C) * C);
   // Cumulative log decay, in token order. A gate below kResetLogDecay is a reset
   // (alpha = exp(g) = 0 in fp32 beyond -103.9; exp_nonpos gives exactly 0 below -87) and
   // is summed as kResetLogDecay: a gate of -inf, or finite gates whose sum overflows,
@@ -87,16 +91,16 @@ void Chunk(const SimdOps& ops, int C, int dk, int dv, const float* q, const floa
   for (int t = 0; t < C; ++t) {
     for (int i = 0; i < dk; ++i) {
       G[static_cast<size_t>(t) * dk + i] =
-          (t ? G[static_cast<size_t>(t - 1) * dk + i] : 0.f) + std::max(g[t * g_stride + i], kResetLogDecay);
+          (t ? G[static_cast<size_t>(t - 1) * dk + i] : 0.0) + std::max(g[t * g_stride + i], kResetLogDecay);
     }
   }
   // Pairwise decayed dot products: L (k.k, s < t) and M (q.k, s <= t) share exponents.
   std::vector<float> M(static_cast<size_t>(C) * C, 0.f);
   for (int t = 0; t < C; ++t) {
-    const float* Gt = &G[static_cast<size_t>(t) * dk];
+    const double* Gt = &G[static_cast<size_t>(t) * dk];
     for (int s = 0; s <= t; ++s) {
-      const float* Gs = &G[static_cast<size_t>(s) * dk];
-      for (int i = 0; i < dk; ++i) e[i] = Gt[i] - Gs[i];
+      const double* Gs = &G[static_cast<size_t>(s) * dk];
+      for (int i = 0; i < dk; ++i) e[i] = static_cast<float>(Gt[i] - Gs[i]);
       ops.exp_nonpos(e.data(), dk);
       for (int i = 0; i < dk; ++i) w[i] = e[i] * k[static_cast<size_t>(s) * dk + i];
       M[static_cast<size_t>(t) * C + s] = ops.dot(q + static_cast<size_t>(t) * dk, w.data(), dk);
@@ -105,10 +109,10 @@ void Chunk(const SimdOps& ops, int C, int dk, int dv, const float* q, const floa
   }
   // u_t by forward substitution; o_t from S0 and the u_s.
   for (int t = 0; t < C; ++t) {
-    const float* Gt = &G[static_cast<size_t>(t) * dk];
+    const double* Gt = &G[static_cast<size_t>(t) * dk];
     float* ut = &u[static_cast<size_t>(t) * dv];
     float* ot = out + t * out_stride;
-    for (int i = 0; i < dk; ++i) e[i] = Gt[i];
+    for (int i = 0; i < dk; ++i) e[i] = static_cast<float>(Gt[i]);
     ops.exp_nonpos(e.data(), dk);
     std::fill(ut, ut + dv, 0.f);
     std::fill(ot, ot + dv, 0.f);
@@ -124,13 +128,13 @@ void Chunk(const SimdOps& ops, int C, int dk, int dv, const float* q, const floa
     ops.scal(scale, ot, dv);
   }
   // S_C = Diag(exp(G_C)) S0 + sum_s (exp(G_C - G_s) * k_s) u_s^T.
-  const float* GC = &G[static_cast<size_t>(C - 1) * dk];
+  const double* GC = &G[static_cast<size_t>(C - 1) * dk];
   std::vector<float> coef(C);
   for (int i = 0; i < dk; ++i) {
     float* row = S + int64_t{i} * dv;
-    for (int s = 0; s < C; ++s) coef[s] = GC[i] - G[static_cast<size_t>(s) * dk + i];
+    for (int s = 0; s < C; ++s) coef[s] = static_cast<float>(GC[i] - G[static_cast<size_t>(s) * dk + i]);
     ops.exp_nonpos(coef.data(), C);
-    float decay = GC[i];
+    float decay = static_cast<float>(GC[i]);
     ops.exp_nonpos(&decay, 1);
     ops.scal(decay, row, dv);
     for (int s = 0; s < C; ++s) ops.axpy(coef[s] * k[static_cast<size_t>(s) * dk + i], &u[static_cast<size_t>(s) * dv], row, dv);

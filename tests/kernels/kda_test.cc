@@ -283,6 +283,19 @@ TEST_P(KdaTest, ResetGatesOfMinusInfinity) {
   ExpectPrefillMatchesOracle(be_.get(), in, 7);
 }
 
+// A run of 40 resets (-inf or -80) and then weak gates in one chunk: the chunk's running
+// sum of gates is near -88 x 40 there, where fp32 spacing (2e-4) swamped the weak gates
+// after it (the optimized chunk was 8x over this tolerance before its sums moved to double).
+TEST_P(KdaTest, WeakGatesAfterALongRunOfResets) {
+  const int H = 1, dk = 32, dv = 32, T = 64;  // one chunk
+  KdaInputs in = MakeInputs(T, H, dk, dv, 31, -2e-3f, -1e-4f);
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int t = 0; t < 40; ++t) {
+    for (int i = 0; i < dk; ++i) in.g[static_cast<size_t>(t) * dk + i] = (t + i) % 2 ? -inf : -80.f;
+  }
+  ExpectPrefillMatchesOracle(be_.get(), in, 9);
+}
+
 TEST_P(KdaTest, LaunchersNameTheWrongArgument) {
   if (!host()) GTEST_SKIP() << "argument checks use host buffers; covered by the CPU backends";
   std::vector<float> pool(2 * 8 * 8), x(2 * 8), beta(2), out(2 * 8);
