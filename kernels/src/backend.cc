@@ -5,8 +5,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <new>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -210,6 +213,9 @@ std::vector<Backend> CompiledBackends() {
 }
 
 absl::StatusOr<void*> KernelBackend::Allocate(size_t bytes) {
+  if (bytes > SIZE_MAX - 63) {  // rounding up to 64 would wrap to a tiny buffer
+    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " bytes"));
+  }
   void* p = std::aligned_alloc(64, std::max<size_t>(64, (bytes + 63) / 64 * 64));
   if (p == nullptr) {
     return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " bytes"));
@@ -234,6 +240,24 @@ absl::Status KernelBackend::CopyWithin(void* dst, const void* src, size_t bytes)
   return absl::OkStatus();
 }
 
+namespace {
+// A kernel's scratch buffers (per work item, on any pool thread; ThreadPool::ParallelFor
+// hands the first item's exception to the caller) may not fit: RESOURCE_EXHAUSTED, not
+// an exception through the launcher's Status interface.
+template <typename F>
+absl::Status Run(const char* kernel, F&& f) {
+  try {
+    return f();
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(kernel, ": out of host memory for the kernel's scratch buffers; run smaller batches"));
+  } catch (const std::length_error&) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(kernel, ": scratch buffers too large for this batch; run smaller batches"));
+  }
+}
+}  // namespace
+
 absl::Status KernelBackend::GqaDecode(const GqaDecodeParams& p) {
   const bool host = memory_space() == MemorySpace::kHost;
   RETURN_IF_ERROR(CheckGqaKv(p.kv, p.num_q_heads));
@@ -244,7 +268,7 @@ absl::Status KernelBackend::GqaDecode(const GqaDecodeParams& p) {
   RETURN_IF_ERROR(CheckPtr(p.out, "out"));
   GqaDecodeParams r = p;
   if (r.scale == 0.f) r.scale = 1.f / std::sqrt(static_cast<float>(p.kv.head_dim));
-  return DoGqaDecode(r);
+  return Run("GqaDecode", [&] { return DoGqaDecode(r); });
 }
 
 absl::Status KernelBackend::GqaPrefill(const GqaPrefillParams& p) {
@@ -258,7 +282,7 @@ absl::Status KernelBackend::GqaPrefill(const GqaPrefillParams& p) {
   RETURN_IF_ERROR(CheckPtr(p.out, "out"));
   GqaPrefillParams r = p;
   if (r.scale == 0.f) r.scale = 1.f / std::sqrt(static_cast<float>(p.kv.head_dim));
-  return DoGqaPrefill(r);
+  return Run("GqaPrefill", [&] { return DoGqaPrefill(r); });
 }
 
 absl::Status KernelBackend::MlaDecodeAbsorbed(const MlaDecodeParams& p) {
@@ -272,7 +296,7 @@ absl::Status KernelBackend::MlaDecodeAbsorbed(const MlaDecodeParams& p) {
   if (p.table.batch == 0) return absl::OkStatus();
   RETURN_IF_ERROR(CheckPtr(p.q, "q"));
   RETURN_IF_ERROR(CheckPtr(p.out, "out"));
-  return DoMlaDecodeAbsorbed(p);
+  return Run("MlaDecodeAbsorbed", [&] { return DoMlaDecodeAbsorbed(p); });
 }
 
 absl::Status KernelBackend::MlaMaterialized(const MlaMaterializedParams& p) {
@@ -296,7 +320,7 @@ absl::Status KernelBackend::MlaMaterialized(const MlaMaterializedParams& p) {
   RETURN_IF_ERROR(CheckPtr(p.w_uk, "w_uk"));
   RETURN_IF_ERROR(CheckPtr(p.w_uv, "w_uv"));
   RETURN_IF_ERROR(CheckPtr(p.out, "out"));
-  return DoMlaMaterialized(p);
+  return Run("MlaMaterialized", [&] { return DoMlaMaterialized(p); });
 }
 
 absl::Status KernelBackend::KdaDecode(const KdaDecodeParams& p) {
@@ -312,7 +336,7 @@ absl::Status KernelBackend::KdaDecode(const KdaDecodeParams& p) {
   RETURN_IF_ERROR(CheckSlots(p.slots, p.batch, p.pool, host));
   KdaDecodeParams r = p;
   if (r.scale == 0.f) r.scale = 1.f / std::sqrt(static_cast<float>(p.pool.d_k));
-  return DoKdaDecode(r);
+  return Run("KdaDecode", [&] { return DoKdaDecode(r); });
 }
 
 absl::Status KernelBackend::KdaChunkedPrefill(const KdaPrefillParams& p) {
@@ -364,7 +388,7 @@ absl::Status KernelBackend::KdaChunkedPrefill(const KdaPrefillParams& p) {
   if (no_tokens) return absl::OkStatus();
   KdaPrefillParams r = p;
   if (r.scale == 0.f) r.scale = 1.f / std::sqrt(static_cast<float>(p.pool.d_k));
-  return DoKdaChunkedPrefill(r);
+  return Run("KdaChunkedPrefill", [&] { return DoKdaChunkedPrefill(r); });
 }
 
 }  // namespace kvpool::kernels

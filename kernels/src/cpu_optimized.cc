@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <system_error>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -66,13 +67,20 @@ class CpuOptimizedBackend final : public KernelBackend {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<KernelBackend>> CreateCpuOptimizedBackend(const BackendOptions& o) {
-  if (o.num_threads < 0) {
-    return absl::InvalidArgumentError("num_threads must be >= 0 (0 = hardware concurrency)");
+  constexpr int kMaxThreads = 1024;
+  if (o.num_threads < 0 || o.num_threads > kMaxThreads) {
+    return absl::InvalidArgumentError(absl::StrCat("num_threads=", o.num_threads, ": must be 0..", kMaxThreads,
+                                                   " (0 = hardware concurrency, at most 64)"));
   }
   int threads = o.num_threads;
   if (threads == 0) threads = std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1, 64);
   const SimdOps* ops = o.portable_loops ? &GenericOps() : o.bf16_products ? &BestBf16ProductOps() : &BestOps();
-  return std::make_unique<CpuOptimizedBackend>(threads, ops);
+  try {
+    return std::make_unique<CpuOptimizedBackend>(threads, ops);
+  } catch (const std::system_error& e) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot start ", threads - 1, " kernel threads (", e.what(), "); lower num_threads"));
+  }
 }
 
 }  // namespace kvpool::kernels::internal

@@ -1,9 +1,20 @@
 #include "thread_pool.h"
 
+#include <utility>
+
 namespace kvpool::kernels::internal {
 
 ThreadPool::ThreadPool(int num_threads) {
-  for (int i = 1; i < num_threads; ++i) threads_.emplace_back([this] { WorkerLoop(); });
+  try {
+    for (int i = 1; i < num_threads; ++i) threads_.emplace_back([this] { WorkerLoop(); });
+  } catch (...) {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    for (auto& t : threads_) t.join();
+    throw;
+  }
 }
 
 ThreadPool::~ThreadPool() {
@@ -23,7 +34,13 @@ void ThreadPool::RunItems() {
   const int64_t n = job_size_.load(std::memory_order_relaxed);
   for (int64_t i = next_.fetch_add(1, std::memory_order_relaxed); i < n;
        i = next_.fetch_add(1, std::memory_order_relaxed)) {
-    (*fn)(i);
+    try {
+      (*fn)(i);
+    } catch (...) {
+      next_.store(n, std::memory_order_relaxed);  // the rest is skipped
+      absl::MutexLock lock(&mu_);
+      if (!error_) error_ = std::current_exception();
+    }
   }
 }
 
@@ -65,9 +82,14 @@ void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) 
     ++generation_;
   }
   RunItems();
-  absl::MutexLock lock(&mu_);
-  mu_.Await(absl::Condition(this, &ThreadPool::AllDone));
-  job_ = nullptr;
+  std::exception_ptr error;
+  {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(this, &ThreadPool::AllDone));
+    job_ = nullptr;
+    error = std::exchange(error_, nullptr);
+  }
+  if (error) std::rethrow_exception(error);
 }
 
 }  // namespace kvpool::kernels::internal

@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <thread>
 #include <vector>
@@ -23,6 +24,7 @@ namespace kvpool::kernels::internal {
 class ThreadPool {
  public:
   // `num_threads` >= 1 counts the calling thread; num_threads - 1 threads are started.
+  // Throws std::system_error (the threads started so far are joined) when one cannot be.
   explicit ThreadPool(int num_threads);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
@@ -31,7 +33,8 @@ class ThreadPool {
   int num_threads() const { return static_cast<int>(threads_.size()) + 1; }
 
   // Runs fn(i) for every i in [0, n) on the pool and the calling thread; returns when
-  // all are done.
+  // all are done. If an item throws, items not yet claimed are skipped and the first
+  // exception is rethrown here once every thread is out of the job.
   void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn);
 
  private:
@@ -49,6 +52,7 @@ class ThreadPool {
   std::atomic<int64_t> job_size_{0};
   // Next unclaimed item; relaxed fetch_add: items are independent.
   std::atomic<int64_t> next_{0};
+  std::exception_ptr error_ ABSL_GUARDED_BY(mu_);  // the job's first exception
   std::vector<std::thread> threads_;
 };
 

@@ -1,5 +1,7 @@
 // dtype conversions, the backend registry, and the thread pool.
 #include <atomic>
+#include <cstdint>
+#include <new>
 #include <string>
 #include <cmath>
 #include <vector>
@@ -7,6 +9,7 @@
 #include "gtest/gtest.h"
 #include "kvpool/kernels/backend.h"
 #include "kvpool/kernels/dtype.h"
+#include "../../kernels/src/thread_pool.h"  // internal: exceptions from work items
 
 namespace kvpool::kernels {
 namespace {
@@ -42,6 +45,11 @@ TEST(Registry, NamesParseAndCpuBackendsExist) {
   ASSERT_TRUE(opt.ok());
   EXPECT_EQ((*opt)->num_threads(), 3);
   EXPECT_FALSE(CreateBackend(Backend::kCpuOptimized, {.num_threads = -1}).ok());
+  auto many = CreateBackend(Backend::kCpuOptimized, {.num_threads = 5000});  // would start 4999 threads
+  EXPECT_EQ(many.status().code(), absl::StatusCode::kInvalidArgument) << many.status();
+  EXPECT_NE(std::string(many.status().message()).find("num_threads=5000"), std::string::npos) << many.status();
+  // A size whose rounding up to 64 bytes would wrap to a tiny buffer.
+  EXPECT_EQ((*ref)->Allocate(SIZE_MAX - 10).status().code(), absl::StatusCode::kResourceExhausted);
   auto cuda = CreateBackend(Backend::kCuda);
   if (!cuda.ok()) {  // an actionable reason, not a crash
     EXPECT_TRUE(cuda.status().code() == absl::StatusCode::kFailedPrecondition ||
@@ -57,6 +65,25 @@ namespace kvpool::kernels {
 namespace {
 
 // The portable loops (the fallback on CPUs without AVX2) agree with the AVX2 ones.
+// A work item that throws (a scratch buffer that does not fit: std::bad_alloc) reaches
+// the caller of ParallelFor once every thread is out of the job, not std::terminate on a
+// pool thread; the pool serves the next job. The launchers turn it into
+// RESOURCE_EXHAUSTED.
+TEST(ThreadPool, AnItemThatThrowsIsRethrownToTheCaller) {
+  internal::ThreadPool pool(3);
+  std::atomic<int> ran{0};
+  EXPECT_THROW(pool.ParallelFor(10'000,
+                                [&](int64_t i) {
+                                  if (i == 7) throw std::bad_alloc();
+                                  ran.fetch_add(1);
+                                }),
+               std::bad_alloc);
+  EXPECT_LT(ran.load(), 10'000);
+  std::atomic<int> again{0};
+  pool.ParallelFor(1'000, [&](int64_t) { again.fetch_add(1); });
+  EXPECT_EQ(again.load(), 1'000);
+}
+
 TEST(PortableLoops, MatchTheVectorizedBackend) {
   auto fast = CreateBackend(Backend::kCpuOptimized, {.num_threads = 2});
   auto portable = CreateBackend(Backend::kCpuOptimized, {.num_threads = 2, .portable_loops = true});
