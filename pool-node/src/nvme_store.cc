@@ -152,25 +152,62 @@ absl::StatusOr<std::unique_ptr<NvmeStore>> NvmeStore::Open(const std::string& di
 
   // Replay the journal.
   absl::flat_hash_map<ObjectKey, NvmeRecord> live;
+  uint64_t skipped_bytes = 0;  // of frames that fail their checksum before the tail
   {
+    // Only "no journal yet" starts empty: any other failure to read it must not lead to
+    // the rewrite below replacing it with an empty one.
     int jfd = ::open(journal_path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (jfd < 0 && errno != ENOENT) return Errno("open", journal_path);
     if (jfd >= 0) {
       std::string data;
       char buf[1 << 16];
-      ssize_t n;
-      while ((n = ::read(jfd, buf, sizeof(buf))) > 0) data.append(buf, n);
+      for (;;) {
+        const ssize_t n = ::read(jfd, buf, sizeof(buf));
+        if (n > 0) {
+          data.append(buf, static_cast<size_t>(n));
+        } else if (n == 0) {
+          break;
+        } else if (errno != EINTR) {
+          const int err = errno;
+          ::close(jfd);
+          errno = err;
+          return Errno("read", journal_path);
+        }
+      }
       ::close(jfd);
       const char* p = data.data();
       const char* end = p + data.size();
+      // A whole frame at `at` that passes its checksum (its length, or 0 if none).
+      auto frame_at = [&](const char* at) -> uint32_t {
+        if (end - at < 4) return 0;
+        uint32_t len;
+        std::memcpy(&len, at, 4);
+        if (len == 0 || static_cast<uint64_t>(end - at) < 4ull + len + 8) return 0;
+        uint64_t sum;
+        std::memcpy(&sum, at + 4 + len, 8);
+        return XXH3_64bits(at + 4, len) == sum ? len : 0;
+      };
       bool first = true;
       while (end - p >= 4) {
-        uint32_t len;
-        std::memcpy(&len, p, 4);
-        if (len == 0 || static_cast<uint64_t>(end - p) < 4ull + len + 8) break;  // torn tail
+        uint32_t len = frame_at(p);
+        if (len == 0) {
+          // A torn tail (the last append, cut short by a crash) ends the journal. Bytes
+          // that fail their checksum with whole frames after them are damage: skip to
+          // the next frame that passes its own (XXH3: a false match is ~2^-64 per
+          // offset), so one bad record does not take every later one with it.
+          const char* next = p + 1;
+          while (end - next >= 4 && frame_at(next) == 0) ++next;
+          if (end - next < 4) break;
+          if (first) {
+            return absl::DataLossError(absl::StrCat(
+                journal_path, ": its header fails its checksum, so what it records cannot be "
+                "trusted; move it (and kvpool-nvme.data) away to start with an empty NVMe tier"));
+          }
+          skipped_bytes += static_cast<uint64_t>(next - p);
+          p = next;
+          len = frame_at(p);
+        }
         const char* body = p + 4;
-        uint64_t sum;
-        std::memcpy(&sum, body + len, 8);
-        if (XXH3_64bits(body, len) != sum) break;
         p = body + len + 8;
         Reader r{body + 1, body + len};
         const uint8_t type = static_cast<uint8_t>(body[0]);
@@ -228,11 +265,16 @@ absl::StatusOr<std::unique_ptr<NvmeStore>> NvmeStore::Open(const std::string& di
   }
   const off_t want = static_cast<off_t>(pages * page_bytes);
   struct stat st{};
-  ::fstat(s->data_fd_, &st);
-  if (st.st_size < want) {
-    if (::fallocate(s->data_fd_, 0, 0, want) != 0 && ::ftruncate(s->data_fd_, want) != 0) {
-      return Errno("size", s->data_path_);
+  if (::fstat(s->data_fd_, &st) != 0) return Errno("stat", s->data_path_);
+  if (st.st_size < want && ::fallocate(s->data_fd_, 0, 0, want) != 0) {
+    // Only a file system without fallocate gets a sparse file: on ENOSPC (or any other
+    // error) the tier would advertise room the disk does not have.
+    if (errno != EOPNOTSUPP) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "cannot reserve --nvme=", want, " bytes for ", s->data_path_, ": ", std::strerror(errno),
+          "; free space under --nvme-dir or lower --nvme"));
     }
+    if (::ftruncate(s->data_fd_, want) != 0) return Errno("size", s->data_path_);
   }
 
   // Records that cannot be right are dropped before the compacted journal is written, so
@@ -264,9 +306,18 @@ absl::StatusOr<std::unique_ptr<NvmeStore>> NvmeStore::Open(const std::string& di
     for (const ObjectKey& k : bad) live.erase(k);
     s->dropped_records_ += bad.size();
   }
+  if (skipped_bytes > 0) {
+    // The damaged journal is kept for inspection; the rewrite below replaces it.
+    const std::string kept = journal_path + ".damaged";
+    const bool saved = ::rename(journal_path.c_str(), kept.c_str()) == 0;
+    ++s->dropped_records_;  // at least one record (maybe more) is in the skipped bytes
+    spdlog::error("NVMe journal {}: {} bytes fail their checksum before its end; skipped to the "
+                  "records after them (a record lost there may be an object's ADD or DEL){}",
+                  journal_path, skipped_bytes, saved ? absl::StrCat("; the damaged journal is kept as ", kept) : "");
+  }
   if (s->dropped_records_ > 0) {
-    spdlog::warn("NVMe journal {}: dropped {} records that cannot be right (unknown kind, pages "
-                 "that do not fit, or pages claimed twice); their pages are free",
+    spdlog::warn("NVMe journal {}: dropped {} records that cannot be right (damaged, unknown kind, "
+                 "pages that do not fit, or pages claimed twice); their pages are free",
                  journal_path, s->dropped_records_);
   }
 

@@ -27,9 +27,9 @@ absl::StatusOr<std::unique_ptr<UringEngine>> UringEngine::Create(int fd, unsigne
                                                ") failed: ", std::strerror(-rc),
                                                "; the NVMe tier needs io_uring"));
   }
+  e->ring_ready_ = true;  // from here the destructor tears the ring down (once)
   e->event_fd_ = eventfd(0, EFD_CLOEXEC);
   if (e->event_fd_ < 0) {
-    io_uring_queue_exit(&e->ring_);
     return absl::InternalError(absl::StrCat("eventfd: ", std::strerror(errno)));
   }
   std::vector<iovec> iovs;
@@ -49,15 +49,19 @@ absl::StatusOr<std::unique_ptr<UringEngine>> UringEngine::Create(int fd, unsigne
 }
 
 UringEngine::~UringEngine() {
+  // Create may have failed part-way: no thread, no eventfd, or no ring (whose fd field
+  // would then be 0: closing it closed the process's stdin).
   {
     absl::MutexLock l(&mu_);
     stop_ = true;
   }
-  uint64_t one = 1;
-  (void)!write(event_fd_, &one, sizeof(one));
+  if (event_fd_ >= 0) {
+    uint64_t one = 1;
+    (void)!write(event_fd_, &one, sizeof(one));
+  }
   if (thread_.joinable()) thread_.join();
-  io_uring_queue_exit(&ring_);
-  close(event_fd_);
+  if (ring_ready_) io_uring_queue_exit(&ring_);
+  if (event_fd_ >= 0) close(event_fd_);
 }
 
 int UringEngine::FixedIndex(const std::byte* p, uint32_t bytes) const {

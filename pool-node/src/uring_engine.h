@@ -91,6 +91,7 @@ class UringEngine {
   bool registered_ = false;
   std::vector<std::pair<std::byte*, uint64_t>> fixed_;  // registered chunks
   io_uring ring_{};
+  bool ring_ready_ = false;  // io_uring_queue_init succeeded (the destructor tears it down)
   std::thread thread_;
 
   absl::Mutex mu_;

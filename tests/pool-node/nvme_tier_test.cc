@@ -397,6 +397,87 @@ TEST_F(NvmeTierTest, JournalRecordsThatCannotBeRightAreDroppedAtRestart) {
   EXPECT_TRUE(core->Inspect({H(0), StateKind::kAttnKv}));
 }
 
+// A journal damaged in the middle (a flipped bit in one record) loses that record only:
+// restart skips to the next record that passes its checksum, keeps the damaged file, and
+// counts the loss. Before, replay stopped at the damage and the rewrite dropped every
+// record after it for good, without a word.
+TEST_F(NvmeTierTest, ADamagedJournalRecordLosesOnlyItself) {
+  {
+    auto core = Make(16, 64);
+    PutChain(*core, 0, 3, kPage);
+    ASSERT_EQ(core->Demote(100), 3u);
+  }
+  const std::string journal = dir_.path() + "/kvpool-nvme.journal";
+  uint64_t damaged = 0;
+  {
+    std::fstream f(journal, std::ios::in | std::ios::out | std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    // The damaged record is the middle one of the three ADDs. Frames: u32 length, the
+    // body (type byte, then the block hash), u64 checksum.
+    std::vector<std::pair<size_t, uint64_t>> adds;  // (hash offset, i of H(i))
+    for (size_t pos = 0; pos + 4 <= bytes.size();) {
+      uint32_t len;
+      std::memcpy(&len, bytes.data() + pos, 4);
+      ASSERT_LE(pos + 4 + len + 8, bytes.size());
+      if (bytes[pos + 4] == 1) {  // an ADD
+        BlockHash h;
+        std::memcpy(&h.lo, bytes.data() + pos + 5, 8);
+        std::memcpy(&h.hi, bytes.data() + pos + 13, 8);
+        for (uint64_t i = 0; i < 3; ++i) {
+          if (h == H(i)) adds.emplace_back(pos + 5, i);
+        }
+      }
+      pos += 4 + len + 8;
+    }
+    ASSERT_EQ(adds.size(), 3u);
+    damaged = adds[1].second;
+    const size_t at = adds[1].first;
+    f.seekp(static_cast<std::streamoff>(at + 3));
+    f.put(static_cast<char>(bytes[at + 3] ^ 0x10));
+  }
+  auto core = Make(16, 64);
+  ASSERT_NE(core, nullptr);
+  for (uint64_t i = 0; i < 3; ++i) EXPECT_EQ(core->Inspect({H(i), StateKind::kAttnKv}).has_value(), i != damaged) << i;
+  EXPECT_EQ(core->Stats().tiers[1].objects, 2u);
+  EXPECT_TRUE(std::filesystem::exists(journal + ".damaged"));
+}
+
+// A journal that exists but cannot be read (here a directory in its place) stops the
+// start: it is not taken for "no journal yet" and replaced by an empty one.
+TEST_F(NvmeTierTest, AJournalThatCannotBeReadStopsTheStart) {
+  std::filesystem::create_directory(dir_.path() + "/kvpool-nvme.journal");
+  PoolOptions o;
+  o.page_bytes = kPage;
+  o.dram_bytes = 16 * kPage;
+  o.nvme_dir = dir_.path();
+  o.nvme_bytes = 64 * kPage;
+  o.background = false;
+  o.clock = &clock_;
+  auto core = PoolCore::Create(o);
+  ASSERT_FALSE(core.ok());
+  EXPECT_NE(std::string(core.status().message()).find("kvpool-nvme.journal"), std::string::npos) << core.status();
+  EXPECT_TRUE(std::filesystem::is_directory(dir_.path() + "/kvpool-nvme.journal"));
+}
+
+// An io_uring that cannot be set up (here a queue depth the kernel refuses) fails the
+// start and closes nothing it does not own: the engine's teardown used to close the
+// uninitialised ring's fd field, 0, which is the process's stdin.
+TEST_F(NvmeTierTest, AnIoUringThatCannotBeSetUpClosesNothingItDoesNotOwn) {
+  if (::fcntl(0, F_GETFD) == -1) GTEST_SKIP() << "fd 0 is not open in this process: nothing to observe";
+  PoolOptions o;
+  o.page_bytes = kPage;
+  o.dram_bytes = 16 * kPage;
+  o.nvme_dir = dir_.path();
+  o.nvme_bytes = 64 * kPage;
+  o.background = false;
+  o.clock = &clock_;
+  o.io_queue_depth = 1u << 20;  // beyond IORING_MAX_ENTRIES
+  auto core = PoolCore::Create(o);
+  ASSERT_FALSE(core.ok());
+  EXPECT_NE(std::string(core.status().message()).find("io_uring_queue_init"), std::string::npos) << core.status();
+  EXPECT_NE(::fcntl(0, F_GETFD), -1) << "fd 0 was closed";
+}
+
 // Journal appends that fail (injected): a demotion whose ADD cannot be written keeps the
 // DRAM copy (a restart would not know the NVMe copy); an NVMe eviction whose DEL cannot
 // be written keeps the evicted copy's pages unused (a restart finds its ADD and reads
