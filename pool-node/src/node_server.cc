@@ -1,3 +1,4 @@
+#include "kvpool/common/host_port.h"
 #include "kvpool/pool_node/node_server.h"
 
 #include <grpcpp/grpcpp.h>
@@ -158,6 +159,7 @@ absl::StatusOr<std::unique_ptr<NodeServer>> NodeServer::Start(NodeConfig config)
   std::unique_ptr<NodeServer> n(new NodeServer());
   State& s = *n->s_;
   s.cfg = std::move(config);
+  RETURN_IF_ERROR(CheckListenAddress("--listen", s.cfg.listen));
   PoolOptions& po = s.cfg.pool;
   if (po.page_bytes < 4096 || (po.page_bytes & (po.page_bytes - 1)) != 0) {
     return absl::InvalidArgumentError(absl::StrCat("--page-bytes=", po.page_bytes,

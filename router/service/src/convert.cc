@@ -5,6 +5,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "kvpool/common/host_port.h"
 #include "kvpool/common/status.h"
 
 namespace kvpool::router {
@@ -13,25 +14,6 @@ namespace {
 
 absl::Status Invalid(absl::string_view field, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
-}
-
-// What is wrong with `a` as a host:port a client can dial ("" when nothing): a host
-// (a name, an IPv4 address or a bracketed IPv6 one) and a decimal port in 1..65535.
-std::string HostPortProblem(absl::string_view a) {
-  const size_t colon = a.rfind(':');
-  if (a.empty()) return "empty";
-  if (colon == absl::string_view::npos) return "has no port";
-  const absl::string_view host = a.substr(0, colon), port = a.substr(colon + 1);
-  if (host.empty()) return "has no host";
-  if (host.front() == '[' ? host.back() != ']' : host.find(':') != absl::string_view::npos) {
-    return "has an IPv6 host without brackets";
-  }
-  uint32_t p = 0;
-  if (port.empty() || port.size() > 5 || !std::all_of(port.begin(), port.end(), absl::ascii_isdigit) ||
-      !absl::SimpleAtoi(port, &p) || p == 0 || p > 65535) {
-    return "has no port in 1..65535";
-  }
-  return "";
 }
 
 constexpr uint64_t kMaxSequence = uint64_t{1} << 63;
@@ -95,7 +77,7 @@ absl::StatusOr<SourceInfo> SourceFromProto(const v1::RegisterRequest& req) {
       return Invalid("kind", "SOURCE_KIND_UNSPECIFIED; set SOURCE_KIND_WORKER or SOURCE_KIND_POOL_NODE");
   }
   if (s.address.size() > 256) return Invalid("address", "longer than 256 bytes");
-  if (const std::string why = HostPortProblem(s.address); !why.empty()) {
+  if (const std::string why = HostPortProblem(s.address, HostPortUse::kDial); !why.empty()) {
     return Invalid("address", absl::StrCat("'", s.address, "' ", why,
                                            "; give the host:port the source serves on, e.g. 10.0.0.7:50062"));
   }

@@ -1,7 +1,9 @@
 // kvpool-router's flags and lifecycle: parse, print the config, serve until a signal.
+#include <cmath>
 #include <csignal>
 #include <iostream>
 #include <tuple>
+#include <utility>
 #include <thread>
 
 #include <CLI/CLI.hpp>
@@ -10,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kvpool/common/cli_flags.h"
+#include "kvpool/common/host_port.h"
 #include "kvpool/common/units.h"
 #include "kvpool/router/router_server.h"
 
@@ -92,9 +95,27 @@ int RunRouterMain(int argc, char** argv) {
     *out = *r;
   }
   if (heartbeat_interval_ms <= 0) return bad("--heartbeat-interval-ms must be > 0");
-  if (!(heartbeat_timeout_s > 0) || !(decision_timeout_s > 0) || !(approx_ttl_s > 0)) {
-    return bad("--heartbeat-timeout, --decision-timeout and --approx-ttl must be > 0 seconds");
+  // Durations: positive and at most a day (inf would keep a dead source, or a decision,
+  // for good; NaN compares false everywhere).
+  for (auto [flag, v] : {std::pair{"--heartbeat-timeout", heartbeat_timeout_s},
+                         std::pair{"--decision-timeout", decision_timeout_s}, std::pair{"--approx-ttl", approx_ttl_s}}) {
+    if (!(v > 0 && v <= 86400)) return bad(absl::StrCat(flag, "=", v, " must be in (0, 86400] seconds"));
   }
+  // Policy weights: finite and >= 0 (NaN made cache_aware's choice arbitrary, a negative
+  // weight turned it upside down).
+  for (auto [flag, v] : {std::pair{"--overlap-weight", c.policy_params.overlap_weight},
+                         std::pair{"--load-weight", c.policy_params.load_weight},
+                         std::pair{"--balance-rel", c.policy_params.balance_rel},
+                         std::pair{"--balance-abs", c.policy_params.balance_abs}}) {
+    if (!std::isfinite(v) || v < 0) return bad(absl::StrCat(flag, "=", v, " must be a finite number >= 0"));
+  }
+  if (!std::isfinite(c.ttft_slo_s) || c.ttft_slo_s < 0) {
+    return bad(absl::StrCat("--ttft-slo=", c.ttft_slo_s, " must be a finite number of seconds >= 0 (0 = off)"));
+  }
+  if (o.metrics_port < -1 || o.metrics_port > 65535) {
+    return bad(absl::StrCat("--metrics-port=", o.metrics_port, " must be -1 (off), 0 (pick one) or a port up to 65535"));
+  }
+  if (absl::Status l = CheckListenAddress("--listen", o.listen); !l.ok()) return bad(l.message());
   // Otherwise Tick drops every source between two of its heartbeats.
   if (heartbeat_timeout_s * 1000 < 2.0 * heartbeat_interval_ms) {
     return bad(absl::StrCat("--heartbeat-timeout=", heartbeat_timeout_s, " s is shorter than 2 x --heartbeat-interval-ms=",
@@ -102,6 +123,8 @@ int RunRouterMain(int argc, char** argv) {
                             "--heartbeat-timeout to at least ", 2.0 * heartbeat_interval_ms / 1000, " s or lower "
                             "--heartbeat-interval-ms"));
   }
+  if (o.host.max_streams == 0) return bad("--max-streams must be >= 1");
+  if (o.host.apply_slice_events == 0) return bad("--apply-slice-events must be >= 1");
   c.heartbeat_interval = absl::Milliseconds(heartbeat_interval_ms);
   c.heartbeat_timeout = absl::Seconds(heartbeat_timeout_s);
   c.decision_timeout = absl::Seconds(decision_timeout_s);

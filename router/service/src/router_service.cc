@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "convert.h"
+#include "kvpool/common/host_port.h"
 #include "kvpool/common/status.h"
 #include "kvpool/proto/grpc_status.h"
 #include "kvpool/router/router_server.h"
@@ -196,6 +197,7 @@ RouterServer::~RouterServer() {
 }
 
 absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Start(RouterServerOptions options) {
+  RETURN_IF_ERROR(CheckListenAddress("--listen", options.listen));
   auto impl = std::make_unique<Impl>();
   ASSIGN_OR_RETURN(impl->host, RouterHost::Create(options.host, &impl->metrics));
   impl->service = std::make_unique<RouterService>(impl->host.get());

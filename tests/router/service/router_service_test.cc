@@ -1,6 +1,7 @@
 // kvpool.v1.Router over a real loopback gRPC server: registration, event streams with
 // gaps and dumps, routing, bad input, health, /metrics, and kvctl route/status; plus
 // kvpool-router's flag checks.
+#include <algorithm>
 #include <atomic>
 #include <functional>
 #include <sstream>
@@ -636,16 +637,44 @@ TEST_F(RouterServiceTest, HeartbeatWithTooManyCompletedDecisionsIsRefused) {
 }
 
 // Runs kvpool-router's main with `args`; returns its exit code and stderr. Every call
-// here also passes --max-streams 0, so a config the flag checks let through fails at
-// RouterHost::Create instead of serving forever.
+// here also passes --max-streams 0 (unless `args` names it), so a config the other flag
+// checks let through fails there instead of serving forever; --listen and --metrics-port
+// get loopback defaults unless `args` names them.
 std::pair<int, std::string> RunRouterMainWith(std::vector<std::string> args) {
+  for (auto [flag, value] : {std::pair{"--listen", "127.0.0.1:0"}, std::pair{"--metrics-port", "-1"},
+                             std::pair{"--max-streams", "0"}}) {
+    if (std::find(args.begin(), args.end(), flag) == args.end()) {
+      args.push_back(flag);
+      args.push_back(value);
+    }
+  }
   args.insert(args.begin(), "kvpool-router");
-  for (const char* a : {"--listen", "127.0.0.1:0", "--metrics-port", "-1", "--max-streams", "0"}) args.push_back(a);
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   testing::internal::CaptureStderr();
   const int rc = RunRouterMain(static_cast<int>(argv.size()), argv.data());
   return {rc, testing::internal::GetCapturedStderr()};
+}
+
+// Flag values that used to start a router that misbehaves: a port gRPC takes modulo
+// 65536, NaN or negative policy weights, an infinite timeout or SLO. Each is refused
+// with exit 2, naming the flag.
+TEST(RouterMainTest, NonsenseFlagValuesAreRefusedNamingTheFlag) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--listen", "127.0.0.1:99999"}, "--listen='127.0.0.1:99999' has no port in 0..65535"},
+      {{"--listen", "a b:5"}, "--listen='a b:5' has a host with characters"},
+      {{"--overlap-weight", "nan"}, "--overlap-weight=nan must be a finite number >= 0"},
+      {{"--load-weight", "-3"}, "--load-weight=-3 must be a finite number >= 0"},
+      {{"--balance-abs", "inf"}, "--balance-abs=inf must be a finite number >= 0"},
+      {{"--ttft-slo", "nan"}, "--ttft-slo=nan must be a finite number"},
+      {{"--heartbeat-timeout", "inf"}, "--heartbeat-timeout=inf must be in (0, 86400] seconds"},
+      {{"--metrics-port", "-5"}, "--metrics-port=-5 must be -1 (off)"},
+  };
+  for (const auto& [args, want] : cases) {
+    auto [rc, err] = RunRouterMainWith(args);
+    EXPECT_EQ(rc, 2) << args[0] << " " << args[1];
+    EXPECT_NE(err.find(want), std::string::npos) << err;
+  }
 }
 
 TEST(RouterMainTest, HeartbeatTimeoutShorterThanTwoIntervalsIsRefused) {
@@ -667,7 +696,7 @@ TEST(RouterMainTest, HeartbeatTimeoutOfTwoIntervalsIsAccepted) {
   auto [rc, err] = RunRouterMainWith({"--heartbeat-interval-ms", "60000", "--heartbeat-timeout", "120"});
   EXPECT_EQ(rc, 2);
   EXPECT_EQ(err.find("--heartbeat-timeout"), std::string::npos) << err;
-  EXPECT_NE(err.find("max_streams"), std::string::npos) << err;
+  EXPECT_NE(err.find("--max-streams"), std::string::npos) << err;
 }
 
 }  // namespace

@@ -1,3 +1,4 @@
+#include "kvpool/common/host_port.h"
 #include "kvpool/worker/service/worker_server.h"
 
 #include <grpcpp/grpcpp.h>
@@ -216,6 +217,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerConfig c
   std::unique_ptr<WorkerServer> w(new WorkerServer());
   State& s = *w->s_;
   s.cfg = std::move(config);
+  RETURN_IF_ERROR(CheckListenAddress("--listen", s.cfg.listen));
   ASSIGN_OR_RETURN(ModelSpec spec, ResolveModelSpec(s.cfg.model));
   ASSIGN_OR_RETURN(OffloadMode offload, ParseOffloadMode(s.cfg.offload));
   ASSIGN_OR_RETURN(FetchMode fetch, ParseFetchMode(s.cfg.fetch));
