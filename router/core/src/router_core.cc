@@ -8,6 +8,14 @@
 namespace kvpool::router {
 
 namespace {
+// A client's string echoed in an error: at most 64 bytes (a 100 KB model name echoed in
+// full made the status too large to send, and the call ended with none).
+std::string Clipped(absl::string_view s) {
+  return s.size() <= 64 ? std::string(s) : absl::StrCat(s.substr(0, 64), "...(", s.size(), " bytes)");
+}
+}  // namespace
+
+namespace {
 
 bool ValidSourceId(absl::string_view id) {
   if (id.empty() || id.size() > 128) return false;
@@ -119,7 +127,7 @@ absl::StatusOr<const RouterCore::Model*> RouterCore::FindModel(absl::string_view
   std::string known;
   for (const Model& m : models_) absl::StrAppend(&known, known.empty() ? "" : ", ", m.spec.name);
   return absl::InvalidArgumentError(
-      absl::StrCat(field, ".name=\"", name, "\" is not served by this router; it serves: ", known));
+      absl::StrCat(field, ".name=\"", Clipped(name), "\" is not served by this router; it serves: ", known));
 }
 
 std::vector<BlockHash> RouterCore::HashTokens(const Model& model, std::span<const TokenId> tokens,
@@ -208,7 +216,7 @@ void RouterCore::DropSource(SourceSlot slot) {
 absl::StatusOr<RouterCore::Registration> RouterCore::FindRegistration(absl::string_view source_id) const {
   auto it = by_id_.find(source_id);
   if (it == by_id_.end()) {
-    return absl::NotFoundError(absl::StrCat("source_id=\"", source_id,
+    return absl::NotFoundError(absl::StrCat("source_id=\"", Clipped(source_id),
                                             "\" is not registered; call Register first"));
   }
   const Source& s = sources_[it->second];
@@ -297,9 +305,12 @@ void RouterCore::PredictBlocks(SourceSlot slot, std::span<const BlockHash> hashe
   ExpirePredictions(s, slot, now);
   index_.Store(slot, BlockHash{}, hashes, Tier::kGpu);
   const absl::Time expiry = now + options_.approx_ttl;
-  for (const BlockHash& h : hashes) {
-    s.approx[h] = expiry;
-    s.approx_order.emplace_back(expiry, h);
+  // Tail first: capacity eviction then drops a prediction's tail before its head (a head
+  // dropped first left a tail that no prefix could match, held until its TTL).
+  for (size_t i = hashes.size(); i-- > 0;) {
+    const std::pair<absl::Time, uint64_t> stamp{expiry, s.approx_seq++};
+    s.approx[hashes[i]] = stamp;
+    s.approx_order.emplace_back(stamp, hashes[i]);
   }
   // A refreshed prediction leaves its old (expiry, hash) behind in the queue: routing
   // one prompt again and again would grow it by the prompt's length each time until
@@ -309,7 +320,7 @@ void RouterCore::PredictBlocks(SourceSlot slot, std::span<const BlockHash> hashe
     s.approx_order.clear();
     for (const auto& [h, t] : s.approx) s.approx_order.emplace_back(t, h);
     std::sort(s.approx_order.begin(), s.approx_order.end(),
-              [](const auto& a, const auto& b) { return a.first < b.first; });
+              [](const auto& a, const auto& b) { return a.first < b.first; });  // stamps are unique
   }
   // Capacity: drop the predictions that would expire first (the least recently routed).
   // A worker that did not say how many blocks it holds gets the index's own bound.
@@ -326,7 +337,7 @@ void RouterCore::PredictBlocks(SourceSlot slot, std::span<const BlockHash> hashe
 }
 
 void RouterCore::ExpirePredictions(Source& s, SourceSlot slot, absl::Time now) {
-  while (!s.approx_order.empty() && s.approx_order.front().first <= now) {
+  while (!s.approx_order.empty() && s.approx_order.front().first.first <= now) {
     const auto [t, h] = s.approx_order.front();
     s.approx_order.pop_front();
     auto it = s.approx.find(h);

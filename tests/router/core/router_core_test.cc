@@ -366,6 +366,24 @@ TEST_F(RouterCoreTest, ApproximateModeRepeatsDoNotGrowItsQueue) {
   EXPECT_LE(core_->ApproxSizes("a0").first, 64u);
 }
 
+// A prediction larger than the worker's capacity keeps its head: the blocks dropped to
+// fit are its tail (dropping the head first left blocks no prefix could match).
+TEST_F(RouterCoreTest, ApproximateModeOverCapacityKeepsThePrefix) {
+  RouterOptions o;
+  o.models = {"llama-3.3-70b"};
+  o.approx_ttl = absl::Hours(1);
+  Make(o);
+  SourceInfo a0 = Info("a0", SourceKind::kWorker, "llama-3.3-70b", /*events=*/false);
+  a0.capacity_blocks = 2;
+  ASSERT_TRUE(core_->Register(a0, kT0).ok());
+  const auto h = Hash(Tokens(16 * 4, 11));  // 4 blocks
+  RouteDecision first = Route(h);
+  core_->CompleteDecision(first.decision_id);
+  EXPECT_EQ(core_->ApproxSizes("a0").first, 2u);
+  RouteDecision second = Route(h, kT0 + absl::Seconds(1));
+  EXPECT_EQ(second.gpu_hit_blocks, 2u);  // was 0: the last two blocks were kept
+}
+
 TEST_F(RouterCoreTest, DecisionsReleaseOnCompletionOrTimeout) {
   MakeDefault(PolicyKind::kLeastLoad);
   Worker("w0");

@@ -419,6 +419,9 @@ TEST_F(RouterServiceTest, BadInputGetsClearErrorsAndOthersAreStillServed) {
   expect(client_->Route(no_model).status(), absl::StatusCode::kInvalidArgument, "model.name");
   v1::RouteRequest unknown = TokensRequest(Tokens(32, 3), "llama-9");
   expect(client_->Route(unknown).status(), absl::StatusCode::kInvalidArgument, "model.name=\"llama-9\"");
+  // A 200 KB name: echoed clipped (in full, the status was too large to send at all).
+  v1::RouteRequest long_name = TokensRequest(Tokens(32, 3), std::string(200'000, 'm'));
+  expect(client_->Route(long_name).status(), absl::StatusCode::kInvalidArgument, "...(200000 bytes)");
   v1::RouteRequest bs = TokensRequest(Tokens(32, 3));
   bs.mutable_model()->set_block_tokens(64);
   expect(client_->Route(bs).status(), absl::StatusCode::kInvalidArgument, "model.block_tokens=64");

@@ -237,9 +237,12 @@ class RouterCore {
     uint64_t registration = 0;  // Registration::id; 0 for a free slot
     SourceInfo info;
     int model = -1;  // index into models_, -1 for pool nodes
-    // Approximate mode: predicted blocks -> expiry, and expiries in insertion order.
-    absl::flat_hash_map<BlockHash, absl::Time, BlockHashHasher> approx;
-    std::deque<std::pair<absl::Time, BlockHash>> approx_order;
+    // Approximate mode: each predicted block's stamp (expiry, then order of prediction:
+    // a prediction's blocks are stamped tail first, so among equal expiries a chain's
+    // tail goes before its head, leaf-first), and the stamps in the order they go.
+    absl::flat_hash_map<BlockHash, std::pair<absl::Time, uint64_t>, BlockHashHasher> approx;
+    std::deque<std::pair<std::pair<absl::Time, uint64_t>, BlockHash>> approx_order;
+    uint64_t approx_seq = 0;
   };
 
   explicit RouterCore(RouterOptions options);
