@@ -254,19 +254,21 @@ void AddSimulateCommands(CLI::App& app, Io& io) {
   CLI::App* c = app.add_subcommand(
       "simulate", "Simulate a prefill cluster over a Mooncake trace with the real router and cache code");
   c->add_option("--trace", a->trace, "Mooncake JSONL trace")->required();
-  c->add_option("--instances", a->sim.instances, "Prefill instances (default 16)")->check(CLI::PositiveNumber);
+  // Ranges, not CLI::PositiveNumber: its message ("not in range 0.000000 to 1797...")
+  // read as if 0 were allowed, and --gpu-blocks 2^31-1 overflowed the cache's block count.
+  c->add_option("--instances", a->sim.instances, "Prefill instances (default 16)")->check(CLI::Range(1, 4096));
   c->add_option("--gpu-blocks", a->sim.gpu_blocks,
                 "KV blocks per instance (default 16384 = 262,144 tokens, 80 GiB of llama-3.3-70b KV)")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(int32_t{1}, int32_t{1} << 30));
   c->add_option("--pool-blocks", a->sim.pool_blocks, "Blocks in the shared DRAM pool tier (default 0 = none)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
   c->add_option("--policy", a->sim.policy,
                 "Router policy: random, round_robin, least_load, power_of_two, session, cache_aware, ttft "
                 "(default cache_aware)");
   c->add_option("--model", a->model, "Model preset or JSON spec (default llama-3.3-70b)");
   c->add_option("--seed", a->sim.seed, "Seed of the router's policy rng (default 1)");
   c->add_option("--time-scale", a->sim.time_scale, "Replay arrivals this many times faster (default 0.6: slower than recorded, see docs/SIMULATION.md)")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(1e-6, 1e6));
   c->add_option("--flops", a->flops, "Achieved prefill FLOP/s per instance (default 400T)");
   c->add_option("--pool-bandwidth", a->pool_bandwidth, "Pool fetch bandwidth per instance (default 25GB/s, RDMA)");
   c->add_option("--trace-block-tokens", a->trace_block_tokens, "Tokens per trace hash id (default 512, at most 2^20)")

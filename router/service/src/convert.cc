@@ -16,6 +16,14 @@ absl::Status Invalid(absl::string_view field, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
 }
 
+// An enum field's value for an error: its UNSPECIFIED name for 0, else the number (a
+// value this build does not know was reported as UNSPECIFIED).
+template <typename E>
+std::string EnumName(E value, absl::string_view unspecified, absl::string_view type) {
+  const int v = static_cast<int>(value);
+  return v == 0 ? std::string(unspecified) : absl::StrCat(v, ", which is not a ", type);
+}
+
 constexpr uint64_t kMaxSequence = uint64_t{1} << 63;
 
 absl::StatusOr<Tier> TierFromProto(v1::Tier t, absl::string_view field) {
@@ -23,7 +31,7 @@ absl::StatusOr<Tier> TierFromProto(v1::Tier t, absl::string_view field) {
     case v1::TIER_GPU: return Tier::kGpu;
     case v1::TIER_DRAM: return Tier::kDram;
     case v1::TIER_NVME: return Tier::kNvme;
-    default: return Invalid(field, "TIER_UNSPECIFIED; set TIER_GPU, TIER_DRAM or TIER_NVME");
+    default: return Invalid(field, absl::StrCat(EnumName(t, "TIER_UNSPECIFIED", "Tier"), "; set TIER_GPU, TIER_DRAM or TIER_NVME"));
   }
 }
 
@@ -40,7 +48,9 @@ absl::StatusOr<StateKind> KindFromProto(v1::StateKind k, absl::string_view field
   switch (k) {
     case v1::STATE_KIND_ATTN_KV: return StateKind::kAttnKv;
     case v1::STATE_KIND_LINEAR_STATE: return StateKind::kLinearState;
-    default: return Invalid(field, "STATE_KIND_UNSPECIFIED; set STATE_KIND_ATTN_KV or STATE_KIND_LINEAR_STATE");
+    default:
+      return Invalid(field, absl::StrCat(EnumName(k, "STATE_KIND_UNSPECIFIED", "StateKind"),
+                                         "; set STATE_KIND_ATTN_KV or STATE_KIND_LINEAR_STATE"));
   }
 }
 
@@ -74,7 +84,8 @@ absl::StatusOr<SourceInfo> SourceFromProto(const v1::RegisterRequest& req) {
       s.publishes_events = true;  // a pool node is only useful through its events
       break;
     default:
-      return Invalid("kind", "SOURCE_KIND_UNSPECIFIED; set SOURCE_KIND_WORKER or SOURCE_KIND_POOL_NODE");
+      return Invalid("kind", absl::StrCat(EnumName(req.kind(), "SOURCE_KIND_UNSPECIFIED", "SourceKind"),
+                                          "; set SOURCE_KIND_WORKER or SOURCE_KIND_POOL_NODE"));
   }
   if (s.address.size() > 256) return Invalid("address", "longer than 256 bytes");
   if (const std::string why = HostPortProblem(s.address, HostPortUse::kDial); !why.empty()) {

@@ -108,6 +108,11 @@ INSTANTIATE_TEST_SUITE_P(
         // 327,680 B x 1e14 overflowed int64 into a negative footprint.
         BadCase{{"calc", "kv", "--model", "llama-3.3-70b", "--context", "100000000000000"}, "--context"},
         BadCase{{"calc", "util", "--max-len", "4611686018427387904", "--page-size", "1"}, "--max-len"},
+        // --gpu-blocks 2^31-1 overflowed the cache's block count (int32 + 1); 0 instances
+        // or an infinite time scale were "not in range 0.000000 to 1.8e308".
+        BadCase{{"simulate", "--trace", "x.jsonl", "--gpu-blocks", "2147483647"}, "--gpu-blocks: Value 2147483647 not in range 1 to"},
+        BadCase{{"simulate", "--trace", "x.jsonl", "--instances", "0"}, "--instances: Value 0 not in range 1 to 4096"},
+        BadCase{{"simulate", "--trace", "x.jsonl", "--time-scale", "inf"}, "--time-scale"},
         // CLI11's ranges let nan through.
         BadCase{{"calc", "util", "--max-len", "100", "--mean-len", "nan"}, "--mean-len"},
         BadCase{{"calc", "ttft", "--model", "llama-3.3-70b", "--context", "10", "--hit", "nan"}, "--hit"},

@@ -446,6 +446,10 @@ TEST_F(RouterServiceTest, BadInputGetsClearErrorsAndOthersAreStillServed) {
   v1::EventBatch no_tier = Stored("w0", 1, hashes, 2);
   no_tier.mutable_events(0)->mutable_stored()->set_tier(v1::TIER_UNSPECIFIED);
   expect(client_->PublishEvents({no_tier}).status(), absl::StatusCode::kInvalidArgument, "events[0].stored.tier");
+  v1::EventBatch future_tier = Stored("w0", 1, hashes, 2);  // a value this build does not know
+  future_tier.mutable_events(0)->mutable_stored()->set_tier(static_cast<v1::Tier>(9));
+  expect(client_->PublishEvents({future_tier}).status(), absl::StatusCode::kInvalidArgument,
+         "events[0].stored.tier: 9, which is not a Tier");
   v1::EventBatch stray_dump_sequence = Stored("w0", 1, hashes, 2);  // not a full dump
   stray_dump_sequence.set_dump_sequence(1000);
   expect(client_->PublishEvents({stray_dump_sequence}).status(), absl::StatusCode::kInvalidArgument,
