@@ -98,6 +98,14 @@ void RunLoad(LoadArgs a, Io& io) {
     return fail("--shared-prefix-tokens must be in [0, --prompt-tokens]", 2);
   }
   if (a.prompts < 1 || a.prompts > 65536) return fail("--prompts must be in [1, 65536]", 2);
+  // Every prompt is built up front (4 bytes a token, more as protobuf): 65536 x 2^20
+  // tokens would be 256 GiB.
+  constexpr int64_t kMaxTotalTokens = int64_t{1} << 28;
+  if (int64_t{a.prompts} * a.prompt_tokens > kMaxTotalTokens) {
+    return fail(absl::StrCat("--prompts x --prompt-tokens = ", int64_t{a.prompts} * a.prompt_tokens,
+                             " tokens, more than 2^28 built up front; lower either"),
+                2);
+  }
   if (a.arrivals != "poisson" && a.arrivals != "fixed") return fail("--arrivals must be poisson or fixed", 2);
   // Bounded so the deadline (now + timeout, in system_clock ticks) cannot overflow.
   if (!(a.timeout_s > 0) || a.timeout_s > 3600) return fail("--timeout must be in (0, 3600] seconds", 2);

@@ -113,6 +113,9 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{{"simulate", "--trace", "x.jsonl", "--gpu-blocks", "2147483647"}, "--gpu-blocks: Value 2147483647 not in range 1 to"},
         BadCase{{"simulate", "--trace", "x.jsonl", "--instances", "0"}, "--instances: Value 0 not in range 1 to 4096"},
         BadCase{{"simulate", "--trace", "x.jsonl", "--time-scale", "inf"}, "--time-scale"},
+        // Every prompt is built up front: 65536 x 2^20 tokens would be 256 GiB.
+        BadCase{{"load", "--router", "127.0.0.1:1", "--prompts", "65536", "--prompt-tokens", "1048576"},
+                "--prompts x --prompt-tokens"},
         // CLI11's ranges let nan through.
         BadCase{{"calc", "util", "--max-len", "100", "--mean-len", "nan"}, "--mean-len"},
         BadCase{{"calc", "ttft", "--model", "llama-3.3-70b", "--context", "10", "--hit", "nan"}, "--hit"},
