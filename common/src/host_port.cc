@@ -12,8 +12,10 @@ namespace kvpool {
 
 std::string HostPortProblem(absl::string_view a, HostPortUse use) {
   if (a.empty()) return "is empty";
-  if (use == HostPortUse::kListen && absl::StartsWith(a, "unix:")) {
-    return a.size() > 5 ? "" : "names no socket path after unix:";
+  if (use == HostPortUse::kListen) {
+    for (absl::string_view scheme : {"unix:", "unix-abstract:"}) {
+      if (absl::StartsWith(a, scheme)) return a.size() > scheme.size() ? "" : "names no socket after the scheme";
+    }
   }
   const size_t colon = a.rfind(':');
   if (colon == absl::string_view::npos) return "has no :port";
@@ -23,7 +25,8 @@ std::string HostPortProblem(absl::string_view a, HostPortUse use) {
     const absl::string_view inner = host.size() >= 2 && host.back() == ']' ? host.substr(1, host.size() - 2) : "";
     const bool ok = !inner.empty() && inner.find(':') != absl::string_view::npos &&
                     std::all_of(inner.begin(), inner.end(), [](char c) {
-                      return absl::ascii_isxdigit(c) || c == ':' || c == '.' || c == '%' || absl::ascii_isalnum(c);
+                      // Zone ids (after %) are interface names: br-1a2b, cali_x.
+                      return absl::ascii_isalnum(c) || c == ':' || c == '.' || c == '%' || c == '-' || c == '_';
                     });
     if (!ok) return "has a bracketed host that is not an IPv6 address";
   } else if (host.find(':') != absl::string_view::npos) {

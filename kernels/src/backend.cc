@@ -244,18 +244,22 @@ namespace {
 // A kernel's scratch buffers (per work item, on any pool thread; ThreadPool::ParallelFor
 // hands the first item's exception to the caller) may not fit: RESOURCE_EXHAUSTED, not
 // an exception through the launcher's Status interface.
+// `note`: what the failed call may have left behind (KDA kernels update their states in
+// place, item by item).
 template <typename F>
-absl::Status Run(const char* kernel, F&& f) {
+absl::Status Run(const char* kernel, F&& f, const char* note = "") {
   try {
     return f();
   } catch (const std::bad_alloc&) {
     return absl::ResourceExhaustedError(
-        absl::StrCat(kernel, ": out of host memory for the kernel's scratch buffers; run smaller batches"));
+        absl::StrCat(kernel, ": out of host memory for the kernel's scratch buffers", note, "; run smaller batches"));
   } catch (const std::length_error&) {
     return absl::ResourceExhaustedError(
-        absl::StrCat(kernel, ": scratch buffers too large for this batch; run smaller batches"));
+        absl::StrCat(kernel, ": scratch buffers too large for this batch", note, "; run smaller batches"));
   }
 }
+constexpr char kKdaStatesNote[] =
+    " (some of the batch's KDA states, and boundary states, may already be updated: restore them before a retry)";
 }  // namespace
 
 absl::Status KernelBackend::GqaDecode(const GqaDecodeParams& p) {
@@ -336,7 +340,7 @@ absl::Status KernelBackend::KdaDecode(const KdaDecodeParams& p) {
   RETURN_IF_ERROR(CheckSlots(p.slots, p.batch, p.pool, host));
   KdaDecodeParams r = p;
   if (r.scale == 0.f) r.scale = 1.f / std::sqrt(static_cast<float>(p.pool.d_k));
-  return Run("KdaDecode", [&] { return DoKdaDecode(r); });
+  return Run("KdaDecode", [&] { return DoKdaDecode(r); }, kKdaStatesNote);
 }
 
 absl::Status KernelBackend::KdaChunkedPrefill(const KdaPrefillParams& p) {
@@ -388,7 +392,7 @@ absl::Status KernelBackend::KdaChunkedPrefill(const KdaPrefillParams& p) {
   if (no_tokens) return absl::OkStatus();
   KdaPrefillParams r = p;
   if (r.scale == 0.f) r.scale = 1.f / std::sqrt(static_cast<float>(p.pool.d_k));
-  return Run("KdaChunkedPrefill", [&] { return DoKdaChunkedPrefill(r); });
+  return Run("KdaChunkedPrefill", [&] { return DoKdaChunkedPrefill(r); }, kKdaStatesNote);
 }
 
 }  // namespace kvpool::kernels

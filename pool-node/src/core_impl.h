@@ -99,6 +99,7 @@ struct EvictionPlan {
   // order like any leaf, so a plan never walks more than kMaxSpared extra leaves.
   bool spare_strands = false;
   std::vector<std::pair<uint64_t, ObjectKey>> spared;
+  absl::flat_hash_set<ObjectKey> spared_keys;  // those in `spared` (a plan walks its leaves once per PlanVictims call)
   static constexpr size_t kMaxSpared = 256;
 };
 

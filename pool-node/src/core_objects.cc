@@ -260,8 +260,11 @@ bool PoolCore::Impl::PlanVictims(EvictionPlan& plan, std::optional<StateKind> ki
   auto eligible = [&](const ObjectKey& k) { return (!kind || k.kind == *kind) && !plan.chosen.contains(k); };
   // Passes over a strand while the plan may spare more (EvictionPlan::spared).
   auto spared = [&](uint64_t tick, const ObjectKey& k) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (!spare || plan.spared.size() >= EvictionPlan::kMaxSpared || !Strands(*Find(k))) return false;
+    if (!spare) return false;
+    if (plan.spared_keys.contains(k)) return true;  // spared by an earlier call on this plan
+    if (plan.spared.size() >= EvictionPlan::kMaxSpared || !Strands(*Find(k))) return false;
     plan.spared.emplace_back(tick, k);
+    plan.spared_keys.insert(k);
     return true;
   };
   // Leaves of the tier do not change while planning, and one passed over (held, of
@@ -295,7 +298,7 @@ bool PoolCore::Impl::PlanVictims(EvictionPlan& plan, std::optional<StateKind> ki
       });
       if (last == plan.spared.end() || !eligible(last->second)) return false;
       key = last->second;
-      plan.spared.erase(last);
+      plan.spared.erase(last);  // stays in spared_keys: chosen now, so never eligible again
     }
     const Object& o = *Find(key);
     plan.victims.push_back(key);
@@ -384,7 +387,7 @@ void PoolCore::Impl::HoldBack(std::vector<uint32_t> pages, int64_t now) {
 
 std::string PoolCore::Impl::HeldBackNote() const {
   if (dram_quarantine_.empty()) return "";
-  return absl::StrCat(", and ", dram_quarantined_pages_, " pages are held back from timed-out reservations or failed checksums (free again within ",
+  return absl::StrCat(", and ", dram_quarantined_pages_, " pages are held back from timed-out, failed or early-ended reservations (free again within ",
                       opt_.reserve_timeout_ms, " ms)");
 }
 

@@ -177,12 +177,16 @@ absl::StatusOr<std::unique_ptr<NvmeStore>> NvmeStore::Open(const std::string& di
       ::close(jfd);
       const char* p = data.data();
       const char* end = p + data.size();
-      // A whole frame at `at` that passes its checksum (its length, or 0 if none).
+      // A whole frame at `at` that passes its checksum (its length, or 0 if none). No
+      // record is longer than an ADD of the largest object: a longer length field is not
+      // hashed (a resync over damage would otherwise hash up to the file's size at every
+      // offset).
+      const uint64_t max_len = 128 + 4 * (kMaxObjectBytes / page_bytes + 1);
       auto frame_at = [&](const char* at) -> uint32_t {
         if (end - at < 4) return 0;
         uint32_t len;
         std::memcpy(&len, at, 4);
-        if (len == 0 || static_cast<uint64_t>(end - at) < 4ull + len + 8) return 0;
+        if (len == 0 || len > max_len || static_cast<uint64_t>(end - at) < 4ull + len + 8) return 0;
         uint64_t sum;
         std::memcpy(&sum, at + 4 + len, 8);
         return XXH3_64bits(at + 4, len) == sum ? len : 0;
@@ -307,9 +311,12 @@ absl::StatusOr<std::unique_ptr<NvmeStore>> NvmeStore::Open(const std::string& di
     s->dropped_records_ += bad.size();
   }
   if (skipped_bytes > 0) {
-    // The damaged journal is kept for inspection; the rewrite below replaces it.
+    // The damaged journal is kept for inspection under a second name (a link: the
+    // journal itself stays in place until the rewrite below replaces it, so a failed
+    // rewrite or a crash here leaves it as it was).
     const std::string kept = journal_path + ".damaged";
-    const bool saved = ::rename(journal_path.c_str(), kept.c_str()) == 0;
+    ::unlink(kept.c_str());
+    const bool saved = ::link(journal_path.c_str(), kept.c_str()) == 0;
     ++s->dropped_records_;  // at least one record (maybe more) is in the skipped bytes
     spdlog::error("NVMe journal {}: {} bytes fail their checksum before its end; skipped to the "
                   "records after them (a record lost there may be an object's ADD or DEL){}",

@@ -7,7 +7,8 @@ namespace kvpool {
 namespace {
 
 TEST(HostPort, DialAddresses) {
-  for (const char* ok : {"127.0.0.1:50051", "pool-0.kvpool.svc:50062", "[::1]:9", "[fe80::1%eth0]:80", "h_1:65535"}) {
+  for (const char* ok : {"127.0.0.1:50051", "pool-0.kvpool.svc:50062", "[::1]:9", "[fe80::1%eth0]:80", "[fe80::1%br-1a2b]:80",
+                         "h_1:65535", "Node-7.Example.COM.:80"}) {
     EXPECT_EQ(HostPortProblem(ok, HostPortUse::kDial), "") << ok;
   }
   const std::pair<const char*, const char*> bad[] = {
@@ -31,7 +32,7 @@ TEST(HostPort, DialAddresses) {
 }
 
 TEST(HostPort, ListenAddresses) {
-  for (const char* ok : {"0.0.0.0:0", "127.0.0.1:50051", "[::]:50051", "unix:/tmp/kvpool.sock"}) {
+  for (const char* ok : {"0.0.0.0:0", "127.0.0.1:50051", "[::]:50051", "unix:/tmp/kvpool.sock", "unix-abstract:kvpool"}) {
     EXPECT_TRUE(CheckListenAddress("--listen", ok).ok()) << ok;
   }
   const absl::Status st = CheckListenAddress("--listen", "127.0.0.1:99999");

@@ -282,7 +282,7 @@ TEST_F(PoolCoreTest, ZombieReserveIsReclaimedAfterTimeout) {
   EXPECT_EQ(st.tiers[0].used_bytes, 0u);
   const absl::Status held = core->Reserve({&other, 1}).status();
   EXPECT_EQ(held.code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_THAT(std::string(held.message()), ::testing::HasSubstr("8 pages are held back from timed-out reservations"));
+  EXPECT_THAT(std::string(held.message()), ::testing::HasSubstr("8 pages are held back from timed-out, failed or early-ended reservations"));
   clock_.AdvanceMs(999);
   core->RunMaintenance();
   EXPECT_EQ(core->Stats().dram_held_back_bytes, 8 * kPage);

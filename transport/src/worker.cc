@@ -960,8 +960,7 @@ ucp_rkey_h WorkerImpl::RkeyFor(EndpointImpl& ep, RemoteKey& key) {
       MakeHugeMapped(key.mapped, key.desc.size);
     } else if (ucp_rkey_ptr(key.rkey, key.desc.base, &mapped) != UCS_OK) {
       mapped = nullptr;  // (UCX's mapping of a fallback arena, above)
-    } else if (const MappedObject m = MappedObjectAt(mapped);
-               !m.shared || m.inode == 0 || m.offset != 0 || m.bytes < key.desc.size) {
+    } else if (const MappedObject m = MappedObjectAt(mapped); !m.shared || m.offset != 0 || m.bytes < key.desc.size) {
       // UCX's mapping of a fallback arena (a shared segment, mapped from its start):
       // ucp_rkey_ptr only adds an offset, so a descriptor whose size is larger than the
       // owner allocated, or whose base is not the segment's, would have copies (and the

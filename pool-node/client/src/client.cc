@@ -619,9 +619,14 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
       out[pieces[k].first + j] = absl::Status(static_cast<absl::StatusCode>(r.code()), r.message());
     }
   }
-  // Not after DEADLINE_EXCEEDED: a node too slow to answer would make the failed Put
-  // wait out another RPC timeout (and a reservation that ran out is gone already).
-  if (!err.ok() && !absl::IsDeadlineExceeded(err)) {
+  // Not after a Reserve or Commit RPC ran out of time: a node too slow to answer would
+  // make the failed Put wait out another RPC timeout (its reservations time out there).
+  auto timed_out = [](const auto& calls) {
+    return std::any_of(calls.begin(), calls.end(), [](const auto& c) {
+      return c && c->finished && c->status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+    });
+  };
+  if (!err.ok() && !timed_out(reserves) && !timed_out(commits)) {
     EndOpenReservations(*s_->stub, s_->opt.rpc_timeout_ms, cq, groups, reserves, commits);
   }
   Drain(cq, 0);

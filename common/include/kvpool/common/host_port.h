@@ -16,7 +16,7 @@ namespace kvpool {
 
 enum class HostPortUse {
   kDial,    // an address clients connect to: port 1..65535
-  kListen,  // a listen address: port 0 picks one; "unix:PATH" is a gRPC Unix socket
+  kListen,  // a listen address: port 0 picks one; "unix:PATH" and "unix-abstract:NAME" are gRPC Unix sockets
 };
 
 // What is wrong with `address` as a host:port ("" when nothing): a host (a name of
