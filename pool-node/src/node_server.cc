@@ -1,4 +1,3 @@
-#include "kvpool/common/host_port.h"
 #include "kvpool/pool_node/node_server.h"
 
 #include <grpcpp/grpcpp.h>
@@ -20,6 +19,7 @@
 #include "absl/strings/str_split.h"
 #include "kvpool/common/cli_flags.h"
 #include "kvpool/common/service_main.h"
+#include "kvpool/common/host_port.h"
 #include "kvpool/common/status.h"
 #include "kvpool/common/units.h"
 #include "kvpool/metrics/metrics.h"

@@ -1,4 +1,3 @@
-#include "kvpool/common/host_port.h"
 #include "kvpool/worker/service/worker_server.h"
 
 #include <grpcpp/grpcpp.h>
@@ -17,6 +16,7 @@
 #include "engine.h"
 #include "kvpool/common/cli_flags.h"
 #include "kvpool/common/service_main.h"
+#include "kvpool/common/host_port.h"
 #include "kvpool/common/status.h"
 #include "kvpool/metrics/metrics.h"
 #include "kvpool/proto/grpc_status.h"
