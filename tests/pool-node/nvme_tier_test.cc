@@ -28,14 +28,18 @@ constexpr uint64_t kPage = 4096;
 
 class NvmeTierTest : public ::testing::Test {
  protected:
-  std::unique_ptr<PoolCore> Make(uint64_t dram_pages, uint64_t nvme_pages, PoolOptions extra = {}) {
+  // `extra` with this fixture's pages, tiers, directory and clock, no background thread.
+  PoolOptions Options(uint64_t dram_pages, uint64_t nvme_pages, PoolOptions extra = {}) {
     extra.page_bytes = kPage;
     extra.dram_bytes = dram_pages * kPage;
     extra.nvme_dir = dir_.path();
     extra.nvme_bytes = nvme_pages * kPage;
     extra.background = false;
     extra.clock = &clock_;
-    auto core = PoolCore::Create(extra);
+    return extra;
+  }
+  std::unique_ptr<PoolCore> Make(uint64_t dram_pages, uint64_t nvme_pages, PoolOptions extra = {}) {
+    auto core = PoolCore::Create(Options(dram_pages, nvme_pages, std::move(extra)));
     EXPECT_TRUE(core.ok()) << core.status();
     return core.ok() ? std::move(*core) : nullptr;
   }
@@ -446,14 +450,7 @@ TEST_F(NvmeTierTest, ADamagedJournalRecordLosesOnlyItself) {
 // start: it is not taken for "no journal yet" and replaced by an empty one.
 TEST_F(NvmeTierTest, AJournalThatCannotBeReadStopsTheStart) {
   std::filesystem::create_directory(dir_.path() + "/kvpool-nvme.journal");
-  PoolOptions o;
-  o.page_bytes = kPage;
-  o.dram_bytes = 16 * kPage;
-  o.nvme_dir = dir_.path();
-  o.nvme_bytes = 64 * kPage;
-  o.background = false;
-  o.clock = &clock_;
-  auto core = PoolCore::Create(o);
+  auto core = PoolCore::Create(Options(16, 64));
   ASSERT_FALSE(core.ok());
   EXPECT_NE(std::string(core.status().message()).find("kvpool-nvme.journal"), std::string::npos) << core.status();
   EXPECT_TRUE(std::filesystem::is_directory(dir_.path() + "/kvpool-nvme.journal"));
@@ -464,15 +461,7 @@ TEST_F(NvmeTierTest, AJournalThatCannotBeReadStopsTheStart) {
 // uninitialised ring's fd field, 0, which is the process's stdin.
 TEST_F(NvmeTierTest, AnIoUringThatCannotBeSetUpClosesNothingItDoesNotOwn) {
   if (::fcntl(0, F_GETFD) == -1) GTEST_SKIP() << "fd 0 is not open in this process: nothing to observe";
-  PoolOptions o;
-  o.page_bytes = kPage;
-  o.dram_bytes = 16 * kPage;
-  o.nvme_dir = dir_.path();
-  o.nvme_bytes = 64 * kPage;
-  o.background = false;
-  o.clock = &clock_;
-  o.io_queue_depth = 1u << 20;  // beyond IORING_MAX_ENTRIES
-  auto core = PoolCore::Create(o);
+  auto core = PoolCore::Create(Options(16, 64, {.io_queue_depth = 1u << 20}));  // beyond IORING_MAX_ENTRIES
   ASSERT_FALSE(core.ok());
   EXPECT_NE(std::string(core.status().message()).find("io_uring_queue_init"), std::string::npos) << core.status();
   EXPECT_NE(::fcntl(0, F_GETFD), -1) << "fd 0 was closed";

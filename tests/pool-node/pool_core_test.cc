@@ -45,6 +45,24 @@ class PoolCoreTest : public ::testing::Test {
     EXPECT_TRUE(core.ok()) << core.status();
     return core.ok() ? std::move(*core) : nullptr;
   }
+  // H(1), one page, and its child H(2), two pages (Pattern(1) and Pattern(2) bytes).
+  static std::vector<ReserveEntrySpec> TwoBlocks() {
+    return {{H(1), std::nullopt, StateKind::kAttnKv, kPage}, {H(2), H(1), StateKind::kAttnKv, 2 * kPage}};
+  }
+  // Reserves TwoBlocks() in one reservation, writes H(1) and commits it alone (a partial
+  // Commit): H(2) stays reserved.
+  absl::StatusOr<Reservation> ReserveTwoCommitTheFirst(PoolCore& core) {
+    const std::vector<ReserveEntrySpec> specs = TwoBlocks();
+    auto r = core.Reserve(specs);
+    if (!r.ok()) return r.status();
+    const std::string a = Pattern(1, kPage);
+    core.CopyToRun(r->slots[0].run, testing::Bytes(a));
+    const CommitEntrySpec ca{H(1), Checksum64(testing::Bytes(a))};
+    auto c = core.Commit(r->id, {&ca, 1}, /*partial=*/true);
+    if (!c.ok()) return c.status();
+    if (!(*c)[0].status.ok()) return (*c)[0].status;
+    return r;
+  }
   ManualClock clock_;
   RecordingSink sink_;
 };
@@ -189,14 +207,9 @@ TEST_F(PoolCoreTest, PartialCommitsInAnyOrderUnderOneReservation) {
 // A final Commit counting a partial one that never comes leaves the rest to the timeout.
 TEST_F(PoolCoreTest, FinalCommitFreesWhatNoCommitNamedAndAMissingOneTimesOut) {
   auto core = Make(8, {.reserve_timeout_ms = 1000});
-  const std::string a = Pattern(1, kPage), b = Pattern(2, 2 * kPage);
-  std::vector<ReserveEntrySpec> specs = {{H(1), std::nullopt, StateKind::kAttnKv, a.size()},
-                                         {H(2), H(1), StateKind::kAttnKv, b.size()}};
-  auto r = core->Reserve(specs);
+  const std::vector<ReserveEntrySpec> specs = TwoBlocks();
+  auto r = ReserveTwoCommitTheFirst(*core);
   ASSERT_TRUE(r.ok()) << r.status();
-  core->CopyToRun(r->slots[0].run, testing::Bytes(a));
-  const CommitEntrySpec ca{H(1), Checksum64(testing::Bytes(a))};
-  ASSERT_TRUE(core->Commit(r->id, {&ca, 1}, /*partial=*/true).ok());
   EXPECT_EQ(core->Stats().reserved_bytes, 2 * kPage);  // H(2)'s pages stay reserved
   ASSERT_TRUE(core->Commit(r->id, {}, /*partial=*/false, /*commits=*/2).ok());
   auto st = core->Stats();
@@ -227,14 +240,8 @@ TEST_F(PoolCoreTest, FinalCommitFreesWhatNoCommitNamedAndAMissingOneTimesOut) {
 // refused, and end_now needs a final Commit.
 TEST_F(PoolCoreTest, EndNowEndsAReservationThatWaitsForALostCommit) {
   auto core = Make(8, {.reserve_timeout_ms = 1000});
-  const std::string a = Pattern(1, kPage), b = Pattern(2, 2 * kPage);
-  std::vector<ReserveEntrySpec> specs = {{H(1), std::nullopt, StateKind::kAttnKv, a.size()},
-                                         {H(2), H(1), StateKind::kAttnKv, b.size()}};
-  auto r = core->Reserve(specs);
+  auto r = ReserveTwoCommitTheFirst(*core);
   ASSERT_TRUE(r.ok()) << r.status();
-  core->CopyToRun(r->slots[0].run, testing::Bytes(a));
-  const CommitEntrySpec ca{H(1), Checksum64(testing::Bytes(a))};
-  ASSERT_TRUE(core->Commit(r->id, {&ca, 1}, /*partial=*/true).ok());
   // The final Commit counts three: the one for H(2) is lost.
   ASSERT_TRUE(core->Commit(r->id, {}, /*partial=*/false, /*commits=*/3).ok());
   EXPECT_EQ(core->Stats().pending_reservations, 1u);
@@ -250,6 +257,7 @@ TEST_F(PoolCoreTest, EndNowEndsAReservationThatWaitsForALostCommit) {
   EXPECT_EQ(st.tiers[0].used_bytes, kPage);
   EXPECT_TRUE(core->Inspect({H(1), StateKind::kAttnKv}));
   // The lost Commit turns up late: the reservation is gone.
+  const std::string b = Pattern(2, 2 * kPage);
   const CommitEntrySpec cb{H(2), Checksum64(testing::Bytes(b))};
   EXPECT_EQ(core->Commit(r->id, {&cb, 1}, /*partial=*/true).status().code(), absl::StatusCode::kNotFound);
   EXPECT_FALSE(core->Inspect({H(2), StateKind::kAttnKv}));

@@ -1162,33 +1162,55 @@ INSTANTIATE_TEST_SUITE_P(
                       Mode{"TcpAuto", "tcp", Protocol::kAuto, Protocol::kActiveMessage}),
     [](const ::testing::TestParamInfo<Mode>& i) { return std::string(i.param.name); });
 
+// An owner whose arena fell back to UCX's own allocation (a failing shmget, see
+// g_fail_shmget; mapped by UCX, not by this code) and a client connected to it over
+// shared memory, with a registered arena of 4 pages of 0x5A.
+class FallbackArena : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ContextOptions co;
+    co.ucx_config.push_back({"TLS", "sm,self"});
+    auto oc = Context::Create(co);
+    ASSERT_TRUE(oc.ok()) << oc.status();
+    auto cc = Context::Create(co);
+    ASSERT_TRUE(cc.ok()) << cc.status();
+    oc_ = *oc;
+    cc_ = *cc;
+    auto owner = Worker::Create(oc_, {});
+    ASSERT_TRUE(owner.ok()) << owner.status();
+    owner_ = *std::move(owner);
+    auto client = Worker::Create(cc_, {});
+    ASSERT_TRUE(client.ok()) << client.status();
+    client_ = *std::move(client);
+    g_fail_shmget.store(true);
+    auto oa = owner_->AllocateArena(16 * kOwnerPage, kOwnerPage);
+    g_fail_shmget.store(false);
+    ASSERT_TRUE(oa.ok()) << oa.status();
+    oa_ = *oa;
+    ASSERT_EQ(oa_->descriptor().shm_id, -1) << "the arena did not fall back to UCX's allocation";
+    auto ca = client_->RegisterArena(mem_, kClientPage);
+    ASSERT_TRUE(ca.ok()) << ca.status();
+    ca_ = *ca;
+    auto ep = client_->Connect(owner_->address(), "owner");
+    ASSERT_TRUE(ep.ok()) << ep.status();
+    ep_ = *ep;
+  }
+  // Destroyed in reverse: the endpoint and arenas before the workers and contexts.
+  std::shared_ptr<Context> oc_, cc_;
+  std::unique_ptr<Worker> owner_, client_;
+  std::shared_ptr<Arena> oa_;
+  std::vector<std::byte> mem_ = std::vector<std::byte>(4 * kClientPage, std::byte{0x5A});
+  std::shared_ptr<Arena> ca_;
+  std::shared_ptr<Endpoint> ep_;
+};
+
 // A client Worker destroyed while one of its threads copies into an owner's fallback
 // arena (mapped by UCX, not by this code) waits for that copy: the mapping goes with the
 // rkey, which Shutdown used to destroy under the running memcpy (a fault, or bytes
 // landing in whatever was mapped there next).
-TEST(FallbackArena, WorkerDestroyedDuringAMappedCopyKeepsTheMappingUntilItEnds) {
-  ContextOptions co;
-  co.ucx_config.push_back({"TLS", "sm,self"});
-  auto oc = Context::Create(co);
-  ASSERT_TRUE(oc.ok()) << oc.status();
-  auto cc = Context::Create(co);
-  ASSERT_TRUE(cc.ok()) << cc.status();
-  auto owner = Worker::Create(*oc, {});
-  ASSERT_TRUE(owner.ok()) << owner.status();
-  auto client = Worker::Create(*cc, {});
-  ASSERT_TRUE(client.ok()) << client.status();
-  g_fail_shmget.store(true);
-  auto oa = (*owner)->AllocateArena(16 * kOwnerPage, kOwnerPage);
-  g_fail_shmget.store(false);
-  ASSERT_TRUE(oa.ok()) << oa.status();
-  ASSERT_EQ((*oa)->descriptor().shm_id, -1) << "the arena did not fall back to UCX's allocation";
-  std::vector<std::byte> mem(4 * kClientPage, std::byte{0x5A});
-  auto ca = (*client)->RegisterArena(mem, kClientPage);
-  ASSERT_TRUE(ca.ok()) << ca.status();
-  auto ep = (*client)->Connect((*owner)->address(), "owner");
-  ASSERT_TRUE(ep.ok()) << ep.status();
-  ASSERT_TRUE((*ep)->ImportArena((*oa)->descriptor()).ok());
-  ASSERT_EQ((*ep)->protocol(), Protocol::kRma);
+TEST_F(FallbackArena, WorkerDestroyedDuringAMappedCopyKeepsTheMappingUntilItEnds) {
+  ASSERT_TRUE(ep_->ImportArena(oa_->descriptor()).ok());
+  ASSERT_EQ(ep_->protocol(), Protocol::kRma);
 
   std::promise<void> entered;
   std::atomic<bool> destroying{false};
@@ -1211,9 +1233,9 @@ TEST(FallbackArena, WorkerDestroyedDuringAMappedCopyKeepsTheMappingUntilItEnds) 
   std::promise<absl::Status> done;
   std::thread submitter([&] {
     std::vector<TransferOp> ops(1);
-    ops[0].local = PageRun{(*ca)->id(), {0, 1}, 2 * kClientPage};
-    ops[0].remote = PageRun{(*oa)->descriptor().arena_id, {0, 1, 2, 3}, 2 * kClientPage};
-    absl::Status st = (*ep)->PutAsync(
+    ops[0].local = PageRun{ca_->id(), {0, 1}, 2 * kClientPage};
+    ops[0].remote = PageRun{oa_->descriptor().arena_id, {0, 1, 2, 3}, 2 * kClientPage};
+    absl::Status st = ep_->PutAsync(
         std::move(ops), [&](absl::Status s) { done.set_value(std::move(s)); },
         [](size_t, std::span<const std::byte>) {}, copier);
     if (!st.ok()) done.set_value(st);
@@ -1225,8 +1247,8 @@ TEST(FallbackArena, WorkerDestroyedDuringAMappedCopyKeepsTheMappingUntilItEnds) 
     FAIL() << "the put was not copied by this process: " << result.get();
   }
   destroying.store(true);
-  ep->reset();
-  client->reset();  // waits for the copy above
+  ep_.reset();
+  client_.reset();  // waits for the copy above
   submitter.join();
   EXPECT_EQ(unmapped.load(), 0);
   EXPECT_TRUE(result.get().ok());
@@ -1238,38 +1260,18 @@ TEST(FallbackArena, WorkerDestroyedDuringAMappedCopyKeepsTheMappingUntilItEnds) 
 // past its end (or off a wrong base) would be copied outside the mapping (a fault, or
 // bytes in whatever is mapped there). The descriptor's own pages within the real size
 // are refused too: the import is unusable.
-TEST(FallbackArena, ADescriptorThatDoesNotMatchTheMappingIsRefused) {
-  ContextOptions co;
-  co.ucx_config.push_back({"TLS", "sm,self"});
-  auto oc = Context::Create(co);
-  ASSERT_TRUE(oc.ok()) << oc.status();
-  auto cc = Context::Create(co);
-  ASSERT_TRUE(cc.ok()) << cc.status();
-  auto owner = Worker::Create(*oc, {});
-  ASSERT_TRUE(owner.ok()) << owner.status();
-  auto client = Worker::Create(*cc, {});
-  ASSERT_TRUE(client.ok()) << client.status();
-  g_fail_shmget.store(true);
-  auto oa = (*owner)->AllocateArena(16 * kOwnerPage, kOwnerPage);
-  g_fail_shmget.store(false);
-  ASSERT_TRUE(oa.ok()) << oa.status();
-  ASSERT_EQ((*oa)->descriptor().shm_id, -1) << "the arena did not fall back to UCX's allocation";
-  std::vector<std::byte> mem(4 * kClientPage, std::byte{0x5A});
-  auto ca = (*client)->RegisterArena(mem, kClientPage);
-  ASSERT_TRUE(ca.ok()) << ca.status();
-  auto ep = (*client)->Connect((*owner)->address(), "owner");
-  ASSERT_TRUE(ep.ok()) << ep.status();
-  RemoteArena forged = (*oa)->descriptor();
+TEST_F(FallbackArena, ADescriptorThatDoesNotMatchTheMappingIsRefused) {
+  RemoteArena forged = oa_->descriptor();
   forged.size += uint64_t{1} << 30;  // 1 GiB more than UCX allocated and mapped
-  ASSERT_TRUE((*ep)->ImportArena(forged).ok());
-  ASSERT_EQ((*ep)->protocol(), Protocol::kRma);
+  ASSERT_TRUE(ep_->ImportArena(forged).ok());
+  ASSERT_EQ(ep_->protocol(), Protocol::kRma);
   const uint64_t far_page = forged.num_pages() - 2;  // well past the owner's 16 pages
   for (const uint64_t page : {far_page, uint64_t{0}}) {
     SCOPED_TRACE(page);
     std::vector<TransferOp> ops(1);
-    ops[0].local = PageRun{(*ca)->id(), {0}, kOwnerPage};
+    ops[0].local = PageRun{ca_->id(), {0}, kOwnerPage};
     ops[0].remote = PageRun{forged.arena_id, {page}, kOwnerPage};
-    absl::Status st = Await((*ep)->Put(std::move(ops)));
+    absl::Status st = Await(ep_->Put(std::move(ops)));
     EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
     EXPECT_TRUE(absl::StrContains(st.message(), "does not describe the owner's arena")) << st;
   }
@@ -1277,24 +1279,24 @@ TEST(FallbackArena, ADescriptorThatDoesNotMatchTheMappingIsRefused) {
   // below it (somewhere else in this process, or nowhere).
   for (const int64_t shift : {int64_t{4096}, -(int64_t{1} << 30)}) {
     SCOPED_TRACE(shift);
-    RemoteArena moved = (*oa)->descriptor();
+    RemoteArena moved = oa_->descriptor();
     moved.base += static_cast<uint64_t>(shift);
     if (shift > 0) moved.size -= kOwnerPage;
-    ASSERT_TRUE((*ep)->ImportArena(moved).ok());
+    ASSERT_TRUE(ep_->ImportArena(moved).ok());
     std::vector<TransferOp> ops(1);
-    ops[0].local = PageRun{(*ca)->id(), {0}, kOwnerPage};
+    ops[0].local = PageRun{ca_->id(), {0}, kOwnerPage};
     ops[0].remote = PageRun{moved.arena_id, {0}, kOwnerPage};
-    absl::Status st = Await((*ep)->Put(std::move(ops)));
+    absl::Status st = Await(ep_->Put(std::move(ops)));
     EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
     EXPECT_TRUE(absl::StrContains(st.message(), "does not describe the owner's arena")) << st;
   }
   // The owner's own descriptor, imported again, works.
-  ASSERT_TRUE((*ep)->ImportArena((*oa)->descriptor()).ok());
+  ASSERT_TRUE(ep_->ImportArena(oa_->descriptor()).ok());
   std::vector<TransferOp> ops(1);
-  ops[0].local = PageRun{(*ca)->id(), {0}, kOwnerPage};
+  ops[0].local = PageRun{ca_->id(), {0}, kOwnerPage};
   ops[0].remote = PageRun{forged.arena_id, {15}, kOwnerPage};
-  EXPECT_TRUE(Await((*ep)->Put(std::move(ops))).ok());
-  EXPECT_EQ((*oa)->base()[15 * kOwnerPage], std::byte{0x5A});
+  EXPECT_TRUE(Await(ep_->Put(std::move(ops))).ok());
+  EXPECT_EQ(oa_->base()[15 * kOwnerPage], std::byte{0x5A});
 }
 
 // An arena imported again (same arena id, another descriptor) while a large RMA put to
