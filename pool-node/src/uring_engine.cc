@@ -158,11 +158,20 @@ void UringEngine::Loop() {
       }
       auto* p = reinterpret_cast<Pending*>(tag);
       --inflight;
-      const int res = cqe->res;
+      const int res = fault_ ? fault_(p->op, cqe->res) : cqe->res;
       absl::Status err;
+      if ((res == -EAGAIN || res == -EINTR) && p->retries < kMaxTransientRetries) {
+        // Transient: the kernel did not do the op (or part of it) this time.
+        ++p->retries;
+        local.push_front(*p);
+        delete p;
+        continue;
+      }
       if (res < 0) {
-        err = absl::DataLossError(absl::StrCat(p->op.write ? "write" : "read", " at offset ",
-                                               p->op.file_offset, ": ", std::strerror(-res)));
+        err = absl::DataLossError(absl::StrCat(
+            p->op.write ? "write" : "read", " at offset ", p->op.file_offset, ": ",
+            std::strerror(-res),
+            p->retries > 0 ? absl::StrCat(" (after ", p->retries, " retries)") : ""));
       } else if (res == 0) {
         err = absl::DataLossError(absl::StrCat("short ", p->op.write ? "write" : "read",
                                                " at offset ", p->op.file_offset));

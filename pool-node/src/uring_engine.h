@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <span>
 #include <thread>
@@ -71,6 +72,17 @@ class UringEngine {
   void Submit(Batch& batch, std::span<const IoOp> ops, std::vector<absl::Status>* op_status = nullptr);
   absl::Status Wait(Batch& batch);
 
+  // Fault injection for tests: called on each op's completion with the op and the
+  // kernel's result (bytes or -errno); returns the result to act on. Set before the
+  // first Run/Submit.
+  void SetCompletionFaultForTest(std::function<int(const IoOp&, int res)> fault) {
+    fault_ = std::move(fault);
+  }
+
+  // Ops that complete with -EAGAIN or -EINTR are submitted again, up to this many times
+  // each, before the error fails the op.
+  static constexpr uint32_t kMaxTransientRetries = 16;
+
   unsigned queue_depth() const { return queue_depth_; }
   bool registered_buffers() const { return registered_; }
 
@@ -80,6 +92,7 @@ class UringEngine {
     IoOp op;
     size_t index = 0;   // of the op in its batch
     uint32_t done = 0;  // bytes completed (short transfers are resubmitted)
+    uint32_t retries = 0;  // resubmissions after -EAGAIN / -EINTR
   };
   UringEngine() = default;
   void Loop();
@@ -93,6 +106,7 @@ class UringEngine {
   io_uring ring_{};
   bool ring_ready_ = false;  // io_uring_queue_init succeeded (the destructor tears it down)
   std::thread thread_;
+  std::function<int(const IoOp&, int)> fault_;
 
   absl::Mutex mu_;
   std::deque<Pending> queue_ ABSL_GUARDED_BY(mu_);
