@@ -549,14 +549,23 @@ size_t PoolCore::Impl::DemoteBatch(size_t max_objects, uint64_t stop_at_used_pag
     Unpin(*o);
     if (io.ok()) records.push_back(NvmeRecord{o->key, o->parent, o->length, o->checksum, m.nvme_pages});
   }
+  bool may_be_recorded = false;
   if (io.ok() && !records.empty()) {
     // Without its journal record a restart would not know the NVMe copy: keep the
     // DRAM copies and give the NVMe pages back, as after a failed write.
-    io = nvme_->JournalAdd(records);
+    io = nvme_->JournalAdd(records, &may_be_recorded);
     if (!io.ok()) spdlog::error("NVMe journal: {}", std::string(io.message()));
   }
   if (!io.ok()) {
-    for (Move& m : moves) alloc_[kN]->Free(m.nvme_pages);
+    // ADD records the journal could not cut back off would, after a restart, name these
+    // pages: they keep their bytes until a compaction rewrote the journal without them.
+    for (Move& m : moves) {
+      if (may_be_recorded) {
+        nvme_quarantine_.insert(nvme_quarantine_.end(), m.nvme_pages.begin(), m.nvme_pages.end());
+      } else {
+        alloc_[kN]->Free(m.nvme_pages);
+      }
+    }
   }
   for (const auto& [key, move] : after) {
     Object* o = Find(key);  // a move's is pinned until above; a clean parent's may be gone

@@ -432,16 +432,31 @@ absl::Status NvmeStore::CompactJournalAndUnlock(std::span<const NvmeRecord> live
   return st;
 }
 
-absl::Status NvmeStore::Append(const std::string& bytes) {
+absl::Status NvmeStore::Append(const std::string& bytes, bool* may_be_recorded) {
+  if (may_be_recorded != nullptr) *may_be_recorded = false;
   absl::MutexLock l(&journal_mu_);
   const off_t end = ::lseek(journal_fd_, 0, SEEK_END);
-  absl::Status st = write_fault_ ? write_fault_(JournalWrite::kAppend) : absl::OkStatus();
-  if (st.ok()) st = WriteAll(journal_fd_, bytes, "NVMe journal");
+  auto fault = [&](JournalWrite w) { return write_fault_ ? write_fault_(w) : absl::OkStatus(); };
+  absl::Status st = fault(JournalWrite::kAppend);
+  bool wrote = false;  // some of the bytes may be in the file
+  if (st.ok()) {
+    wrote = true;
+    st = WriteAll(journal_fd_, bytes, "NVMe journal");
+    if (st.ok()) st = fault(JournalWrite::kAppendLanded);
+  }
   // A frame cut short mid-journal would end the replay there and lose every later
   // record: cut the file back to where this append began.
-  if (!st.ok() && end >= 0 && ::ftruncate(journal_fd_, end) != 0) {
-    st = absl::InternalError(absl::StrCat(st.message(), "; and truncating the torn record failed: ",
-                                          std::strerror(errno)));
+  if (!st.ok() && wrote) {
+    absl::Status cut = end < 0 ? absl::InternalError(absl::StrCat("lseek: ", std::strerror(errno)))
+                               : fault(JournalWrite::kTruncate);
+    if (cut.ok() && ::ftruncate(journal_fd_, end) != 0) {
+      cut = absl::InternalError(absl::StrCat("ftruncate: ", std::strerror(errno)));
+    }
+    if (!cut.ok()) {
+      st = absl::InternalError(absl::StrCat(st.message(), "; and cutting the failed append back off failed: ",
+                                            cut.message()));
+      if (may_be_recorded != nullptr) *may_be_recorded = true;
+    }
   }
   // A failed append may have left a torn or partial tail: rewrite the journal soon.
   if (!st.ok()) rewrite_due_ = true;
@@ -449,10 +464,11 @@ absl::Status NvmeStore::Append(const std::string& bytes) {
   return st;
 }
 
-absl::Status NvmeStore::JournalAdd(std::span<const NvmeRecord> records) {
+absl::Status NvmeStore::JournalAdd(std::span<const NvmeRecord> records, bool* may_be_recorded) {
+  if (may_be_recorded != nullptr) *may_be_recorded = false;
   std::string out;
   for (const auto& r : records) out += AddRecord(r);
-  return out.empty() ? absl::OkStatus() : Append(out);
+  return out.empty() ? absl::OkStatus() : Append(out, may_be_recorded);
 }
 
 absl::Status NvmeStore::JournalRemove(std::span<const ObjectKey> keys) {

@@ -86,7 +86,10 @@ class NvmeStore {
   // Open; an error fails that write.
   void SetWriteFault(std::function<absl::Status(JournalWrite)> fault) { write_fault_ = std::move(fault); }
 
-  absl::Status JournalAdd(std::span<const NvmeRecord> records);
+  // On failure `*may_be_recorded` (when given) says whether the records may still be in
+  // the journal (the failed append could not be cut back off): a restart before the next
+  // compaction would then find them, so the pages they name must keep their bytes.
+  absl::Status JournalAdd(std::span<const NvmeRecord> records, bool* may_be_recorded = nullptr);
   absl::Status JournalRemove(std::span<const ObjectKey> keys);
 
   // Online compaction (the journal otherwise grows with every demotion and NVMe eviction
@@ -107,7 +110,7 @@ class NvmeStore {
 
  private:
   NvmeStore() = default;
-  absl::Status Append(const std::string& bytes);
+  absl::Status Append(const std::string& bytes, bool* may_be_recorded = nullptr);
 
   uint64_t page_bytes_ = 0;
   uint32_t num_pages_ = 0;

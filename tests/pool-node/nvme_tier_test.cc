@@ -528,6 +528,65 @@ TEST_F(NvmeTierTest, FailedJournalWritesLoseNothingAndCorruptNothing) {
   ExpectChainReadsBack(*core, 2000, 1, kPage);
 }
 
+// An ADD append that fails after its bytes reached the journal, and that cannot be cut
+// back off: a restart before the next compaction replays that ADD, so the NVMe pages it
+// names keep their bytes (held back) instead of going to the next demotion. Before, they
+// were freed: the next object demoted into them, and after a restart the stale ADD won
+// the page (the newer object was dropped as inconsistent) and read back as garbage.
+TEST_F(NvmeTierTest, AFailedAddThatStaysInTheJournalHoldsItsPagesBack) {
+  // Appends are numbered from 0 (the journal serializes them); the one numbered
+  // `fail_append` lands and then fails, and cannot be cut back off.
+  std::atomic<int> appends{0}, current{-1}, fail_append{-1};
+  PoolOptions o;
+  o.journal_write_fault = [&](JournalWrite w) {
+    if (w == JournalWrite::kAppend) current = appends++;
+    const bool injected = current == fail_append &&
+                          (w == JournalWrite::kAppendLanded || w == JournalWrite::kTruncate);
+    return injected ? absl::InternalError("injected journal write error") : absl::OkStatus();
+  };
+  auto core = Make(8, 5, o);
+  PutChain(*core, 0, 4, kPage);
+  ASSERT_EQ(core->Demote(4), 4u);  // one NVMe page left
+  ASSERT_TRUE(Put(*core, H(1000), std::nullopt, Pattern(1000, kPage)).ok());
+  auto in = [&](uint64_t i) { return core->Inspect({H(i), StateKind::kAttnKv}); };
+
+  fail_append = appends.load();  // H(1000)'s data is written, its ADD lands but reports failure
+  EXPECT_EQ(core->Demote(1), 0u);
+  ASSERT_TRUE(in(1000));
+  EXPECT_TRUE(in(1000)->in_dram);
+  EXPECT_FALSE(in(1000)->on_nvme);
+  EXPECT_EQ(core->Stats().nvme_held_back_bytes, kPage);
+
+  // A newer object is the next to go; the held-back page is not its to take.
+  ASSERT_TRUE(Put(*core, H(2000), std::nullopt, Pattern(2000, kPage)).ok());
+  auto touch = core->Lookup({.hashes = {H(1000)}});
+  ASSERT_TRUE(touch.ok());
+  ASSERT_TRUE(core->Release(touch->lease_id).ok());
+  EXPECT_EQ(core->Demote(1), 0u);
+  EXPECT_TRUE(in(2000)->in_dram);
+
+  // A restart now: everything the journal names reads back intact, H(1000) included
+  // (its page kept the bytes its ADD describes).
+  core.reset();
+  core = Make(8, 5, o);
+  ExpectChainReadsBack(*core, 0, 4, kPage);
+  ExpectChainReadsBack(*core, 1000, 1, kPage);
+
+  // Without a restart the pages come back with the next compaction. The NVMe tier is
+  // full: the demotion's eviction appends a DEL (which works), then its ADD fails.
+  ASSERT_TRUE(Put(*core, H(3000), std::nullopt, Pattern(3000, kPage)).ok());
+  fail_append = appends.load() + 1;
+  EXPECT_EQ(core->Demote(1), 0u);
+  EXPECT_EQ(core->Stats().tiers[1].evictions, 1u);
+  EXPECT_EQ(core->Stats().nvme_held_back_bytes, kPage);
+  core->RunMaintenance();
+  EXPECT_EQ(core->Stats().nvme_held_back_bytes, 0u);
+  ASSERT_EQ(core->Demote(1), 1u);  // into the page the compaction gave back
+  core.reset();
+  core = Make(8, 5, o);
+  ExpectChainReadsBack(*core, 3000, 1, kPage);
+}
+
 TEST_F(NvmeTierTest, FailedCompactionKeepsPagesHeldBackAndRetriesLater) {
   std::atomic<bool> fail_append{false}, fail_rewrite{false};
   std::atomic<int> rewrites{0};

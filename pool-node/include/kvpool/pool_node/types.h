@@ -30,8 +30,11 @@ enum class Tier : uint8_t { kDram = 0, kNvme = 1 };
 
 // A write to the NVMe tier's journal (fault injection in tests names which one fails).
 enum class JournalWrite : uint8_t {
-  kAppend,   // ADD / DEL records appended as objects come and go
-  kRewrite,  // the compacted journal written to a new file and renamed over the old
+  kAppend,        // ADD / DEL records appended as objects come and go (before any byte)
+  kRewrite,       // the compacted journal written to a new file and renamed over the old
+  kAppendLanded,  // after an append's bytes were written: an error = a write that failed
+                  // once its bytes (or some) had reached the file
+  kTruncate,      // cutting a failed append back off: an error = the cut failed
 };
 
 inline constexpr int kNumTiers = 2;
