@@ -224,7 +224,8 @@ class PoolCore::Impl {
   uint64_t Checksum(const std::vector<uint32_t>& dram_pages, uint64_t length) const;
   uint64_t PagesFor(uint64_t bytes) const { return (bytes + page_bytes_ - 1) / page_bytes_; }
 
-  // Rewrites the NVMe journal from the objects on NVMe (NvmeStore::LockJournal).
+  // Rewrites the NVMe journal from the objects on NVMe (NvmeStore::BeginRewrite); mu_
+  // is held only for the snapshot.
   void CompactJournal() ABSL_LOCKS_EXCLUDED(mu_);
 
   // --- demotion (core_objects.cc) ---

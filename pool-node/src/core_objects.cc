@@ -415,17 +415,17 @@ void PoolCore::Impl::CompactJournal() {
   std::vector<uint32_t> quarantine;  // free once the rewritten journal no longer names them
   {
     // Journal records are appended under mu_ (AddCopy / DropCopy of the NVMe tier), so
-    // this snapshot is the journal's live set; the journal lock is taken before mu_ is
-    // released, so every later record lands in the rewritten journal.
+    // this snapshot is the journal's live set; the rewrite begins before mu_ is
+    // released, so every later record also lands in the rewritten journal.
     absl::MutexLock l(&mu_);
+    if (!nvme_->BeginRewrite()) return;  // another thread is rewriting it
     live.reserve(objects_in_[kN]);
     for (const auto& [key, o] : objects_) {
       if (o->copy[kN]) live.push_back(NvmeRecord{o->key, o->parent, o->length, o->checksum, o->pages[kN]});
     }
     quarantine.swap(nvme_quarantine_);
-    nvme_->LockJournal();
   }
-  absl::Status st = nvme_->CompactJournalAndUnlock(live);
+  absl::Status st = nvme_->FinishRewrite(live);
   {
     absl::MutexLock l(&mu_);
     if (st.ok()) {

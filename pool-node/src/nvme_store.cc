@@ -331,10 +331,8 @@ absl::StatusOr<std::unique_ptr<NvmeStore>> NvmeStore::Open(const std::string& di
   recovered->clear();
   for (auto& [key, rec] : live) recovered->push_back(std::move(rec));
   s->journal_path_ = journal_path;
-  {
-    absl::MutexLock l(&s->journal_mu_);
-    RETURN_IF_ERROR(s->RewriteJournalLocked(*recovered));
-  }
+  (void)s->BeginRewrite();  // nothing else runs yet
+  RETURN_IF_ERROR(s->FinishRewrite(*recovered));
   ASSIGN_OR_RETURN(s->engine_, UringEngine::Create(s->data_fd_, queue_depth, fixed));
   return s;
 }
@@ -386,20 +384,51 @@ absl::Status NvmeStore::FinishTransfer(PendingTransfer& t, std::vector<absl::Sta
 
 // Compacted journal: header + one ADD per live object, written beside the journal and
 // renamed over it (a crash leaves the old or the new one, both complete).
-absl::Status NvmeStore::RewriteJournalLocked(std::span<const NvmeRecord> live) {
+bool NvmeStore::BeginRewrite() {
+  absl::MutexLock l(&journal_mu_);
+  if (rewriting_) return false;
+  rewriting_ = true;
+  appended_while_rewriting_.clear();
+  failed_while_rewriting_ = false;
+  return true;
+}
+
+absl::Status NvmeStore::FinishRewrite(std::span<const NvmeRecord> live) {
   std::string compact = HeaderRecord(page_bytes_, num_pages_);
   for (const NvmeRecord& rec : live) compact += AddRecord(rec);
   const std::string tmp = journal_path_ + ".tmp";
   // Opened for appending from the start: after the rename this descriptor is the
   // journal (no reopen that could fail and leave appends going to the old file).
   int tfd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0600);
-  if (tfd < 0) return Errno("open", tmp);
-  absl::Status ws = write_fault_ ? write_fault_(JournalWrite::kRewrite) : absl::OkStatus();
+  absl::Status ws = tfd < 0 ? Errno("open", tmp) : absl::OkStatus();
+  if (ws.ok() && write_fault_) ws = write_fault_(JournalWrite::kRewrite);
+  // The bulk of the work (the snapshot's records and their fsync) runs unlocked: appends
+  // meanwhile go to the current journal and are remembered.
   if (ws.ok()) ws = WriteAll(tfd, compact, tmp);
   if (ws.ok() && ::fsync(tfd) != 0) ws = Errno("fsync", tmp);
-  if (ws.ok() && ::rename(tmp.c_str(), journal_path_.c_str()) != 0) ws = Errno("rename", tmp);
+  uint64_t tail = 0;
+  {
+    absl::MutexLock l(&journal_mu_);
+    // The records appended since the snapshot follow it in the new journal (they are in
+    // the old one too, so a crash before the rename loses none), then the rename.
+    if (ws.ok()) ws = WriteAll(tfd, appended_while_rewriting_, tmp);
+    if (ws.ok() && ::rename(tmp.c_str(), journal_path_.c_str()) != 0) ws = Errno("rename", tmp);
+    if (ws.ok()) {
+      if (journal_fd_ >= 0) ::close(journal_fd_);
+      journal_fd_ = tfd;
+      tail = appended_while_rewriting_.size();
+      compacted_bytes_ = compact.size();
+      journal_bytes_ = compact.size() + tail;
+      // An append that failed meanwhile may have held pages back: the next rewrite gives
+      // them back.
+      rewrite_due_ = failed_while_rewriting_;
+    }
+    rewriting_ = false;
+    appended_while_rewriting_.clear();
+    appended_while_rewriting_.shrink_to_fit();
+  }
   if (!ws.ok()) {  // the current journal stays as it was
-    ::close(tfd);
+    if (tfd >= 0) ::close(tfd);
     ::unlink(tmp.c_str());
     return ws;
   }
@@ -412,24 +441,12 @@ absl::Status NvmeStore::RewriteJournalLocked(std::span<const NvmeRecord> live) {
     spdlog::warn("fsync of {} after rewriting its NVMe journal: {}", dir, std::strerror(errno));
   }
   if (dfd >= 0) ::close(dfd);
-  if (journal_fd_ >= 0) ::close(journal_fd_);
-  journal_fd_ = tfd;
-  journal_bytes_ = compacted_bytes_ = compact.size();
-  rewrite_due_ = false;
   return absl::OkStatus();
 }
 
 bool NvmeStore::JournalWantsCompaction(uint64_t min_bytes) {
   absl::MutexLock l(&journal_mu_);
   return rewrite_due_ || (journal_bytes_ > min_bytes && journal_bytes_ > 4 * compacted_bytes_);
-}
-
-void NvmeStore::LockJournal() { journal_mu_.Lock(); }
-
-absl::Status NvmeStore::CompactJournalAndUnlock(std::span<const NvmeRecord> live) {
-  absl::Status st = RewriteJournalLocked(live);
-  journal_mu_.Unlock();
-  return st;
 }
 
 absl::Status NvmeStore::Append(const std::string& bytes, bool* may_be_recorded) {
@@ -461,6 +478,10 @@ absl::Status NvmeStore::Append(const std::string& bytes, bool* may_be_recorded) 
   // A failed append may have left a torn or partial tail: rewrite the journal soon.
   if (!st.ok()) rewrite_due_ = true;
   if (st.ok()) journal_bytes_ += bytes.size();
+  if (rewriting_) {
+    if (st.ok()) appended_while_rewriting_ += bytes;
+    else failed_while_rewriting_ = true;
+  }
   return st;
 }
 

@@ -98,11 +98,13 @@ class NvmeStore {
   // when an append failed since the last rewrite (it may have left a torn tail).
   bool JournalWantsCompaction(uint64_t min_bytes);
   // The caller takes a snapshot of the live records under the same lock as its journal
-  // calls, calls LockJournal before releasing that lock (so every later record lands in
-  // the new journal), then CompactJournalAndUnlock with the snapshot.
-  void LockJournal() ABSL_EXCLUSIVE_LOCK_FUNCTION(journal_mu_);
-  absl::Status CompactJournalAndUnlock(std::span<const NvmeRecord> live)
-      ABSL_UNLOCK_FUNCTION(journal_mu_);
+  // calls and calls BeginRewrite before releasing that lock; then, without it,
+  // FinishRewrite with the snapshot. Records appended in between go to the current
+  // journal as usual (no caller waits for the rewrite's writes and fsyncs) and are
+  // copied into the new one before it is renamed over the old. False from BeginRewrite:
+  // another rewrite is under way (skip this one).
+  bool BeginRewrite();
+  absl::Status FinishRewrite(std::span<const NvmeRecord> live);
   uint64_t journal_bytes() {
     absl::MutexLock l(&journal_mu_);
     return journal_bytes_;
@@ -119,8 +121,6 @@ class NvmeStore {
   int data_fd_ = -1;
   std::unique_ptr<UringEngine> engine_;
 
-  absl::Status RewriteJournalLocked(std::span<const NvmeRecord> live)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(journal_mu_);
 
   std::function<absl::Status(JournalWrite)> write_fault_;
   std::string journal_path_;
@@ -129,6 +129,11 @@ class NvmeStore {
   uint64_t journal_bytes_ ABSL_GUARDED_BY(journal_mu_) = 0;    // file size
   uint64_t compacted_bytes_ ABSL_GUARDED_BY(journal_mu_) = 0;  // size after the last rewrite
   bool rewrite_due_ ABSL_GUARDED_BY(journal_mu_) = false;      // an append failed since
+  // Between BeginRewrite and the end of FinishRewrite: the bytes appended meanwhile
+  // (they go into the new journal too), and whether an append failed meanwhile.
+  bool rewriting_ ABSL_GUARDED_BY(journal_mu_) = false;
+  std::string appended_while_rewriting_ ABSL_GUARDED_BY(journal_mu_);
+  bool failed_while_rewriting_ ABSL_GUARDED_BY(journal_mu_) = false;
 };
 
 }  // namespace kvpool::pool_node

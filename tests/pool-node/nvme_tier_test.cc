@@ -671,11 +671,23 @@ TEST_F(NvmeTierTest, EvictionDuringACompactionLandsInTheRewrittenJournal) {
   hold_rewrite = true;
   std::thread maintenance([&] { core->RunMaintenance(); });
   while (!in_rewrite) std::this_thread::yield();
+  // The demotion (an eviction's DEL, then two ADDs) runs to its end while the rewrite is
+  // held: the rewrite's writes and fsyncs keep no lock the node's other calls need.
+  // (The bound only turns a deadlock into a failure; nothing here is timed.)
+  std::atomic<bool> demotion_done{false};
   size_t demoted = 0;
-  std::thread demoter([&] { demoted = core->Demote(2); });
-  // Best effort only: let the demotion reach the journal while the rewrite holds it. The
-  // outcome must be the same whichever comes first.
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  std::thread demoter([&] {
+    demoted = core->Demote(2);
+    demotion_done = true;
+  });
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!demotion_done && std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_TRUE(demotion_done) << "the demotion waited for the journal rewrite";
+  if (demotion_done) {
+    EXPECT_TRUE(core->Lookup({.hashes = {H(1001)}}).ok());  // and so does a Lookup
+  }
   release = true;
   maintenance.join();
   demoter.join();
