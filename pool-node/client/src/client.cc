@@ -298,7 +298,14 @@ absl::StatusOr<PoolLease> PoolClient::Lookup(std::span<const BlockHash> chain, S
   lease.objects.reserve(resp->objects_size());
   for (const v1::ObjectDescriptor& d : resp->objects()) {
     RemoteObject o;
-    ASSIGN_OR_RETURN(o.key.hash, BlockHash::FromBytes(d.block_hash(), "objects[].block_hash"));
+    absl::StatusOr<BlockHash> hash = BlockHash::FromBytes(d.block_hash(), "objects[].block_hash");
+    if (!hash.ok()) {  // an answer this client cannot use: its lease would pin the objects
+      if (lease.lease_id != 0) ReleaseAsync(lease.lease_id);
+      return absl::InternalError(absl::StrCat("pool node ", s_->opt.node_address,
+                                              " sent a Lookup answer that does not parse: ",
+                                              hash.status().message()));
+    }
+    o.key.hash = *hash;
     o.key.kind = kind;
     o.found_in = d.found_in() == v1::TIER_NVME ? Tier::kNvme : Tier::kDram;
     o.pages.assign(d.run().pages().begin(), d.run().pages().end());

@@ -117,30 +117,40 @@ PoolLookup PoolTier::Lookup(std::span<const BlockHash> hashes, StateKind kind) {
   std::vector<std::vector<size_t>> by_node(nodes_.size());
   for (size_t i = 0; i < hashes.size(); ++i) by_node[ring_.Owner(hashes[i])].push_back(i);
   for (size_t node = 0; node < nodes_.size(); ++node) {
-    if (by_node[node].empty()) continue;
-    pool_node::PoolClient* c = Client(node);
-    if (c == nullptr) continue;
-    std::vector<BlockHash> mine;
-    for (size_t i : by_node[node]) mine.push_back(hashes[i]);
-    absl::StatusOr<pool_node::PoolLease> lease = c->Lookup(mine, kind, 0, /*allow_gaps=*/true);
-    if (!lease.ok()) {
-      if (IsNodeFailure(lease.status())) {
-        MarkDown(node, lease.status());
-      } else {
+    // A node answers at most kMaxLookupHashes per call: longer prompts take several
+    // (gaps are allowed, so each part stands alone).
+    const std::vector<size_t>& all = by_node[node];
+    for (size_t begin = 0; begin < all.size(); begin += pool_node::PoolClient::kMaxLookupHashes) {
+      pool_node::PoolClient* c = Client(node);
+      if (c == nullptr) break;
+      const size_t end = std::min(all.size(), begin + pool_node::PoolClient::kMaxLookupHashes);
+      std::vector<BlockHash> mine;
+      mine.reserve(end - begin);
+      for (size_t k = begin; k < end; ++k) mine.push_back(hashes[all[k]]);
+      absl::StatusOr<pool_node::PoolLease> lease = c->Lookup(mine, kind, 0, /*allow_gaps=*/true);
+      if (!lease.ok()) {
+        if (IsNodeFailure(lease.status())) {
+          MarkDown(node, lease.status());
+          break;
+        }
         ++rpc_failures_;
         spdlog::warn("pool node {}: Lookup refused: {}", nodes_[node].address, std::string(lease.status().message()));
+        continue;
       }
-      continue;
+      // Objects come back in chain order; match them to our indices by hash.
+      const size_t lease_index = lease->lease_id != 0 ? out.leases.size() : SIZE_MAX;
+      size_t j = 0;
+      for (const pool_node::RemoteObject& obj : lease->objects) {
+        while (j < mine.size() && !(mine[j] == obj.key.hash)) ++j;
+        if (j == mine.size()) break;
+        out.found[all[begin + j]] = PoolFound{node, obj, lease_index};
+        ++j;
+      }
+      if (lease->lease_id != 0) {
+        out.leases.push_back(*std::move(lease));
+        out.lease_nodes.push_back(node);
+      }
     }
-    // Objects come back in chain order; match them to our indices by hash.
-    size_t j = 0;
-    for (const pool_node::RemoteObject& obj : lease->objects) {
-      while (j < mine.size() && !(mine[j] == obj.key.hash)) ++j;
-      if (j == mine.size()) break;
-      out.found[by_node[node][j]] = PoolFound{node, obj};
-      ++j;
-    }
-    if (lease->lease_id != 0) out.leases.push_back(*std::move(lease));
   }
   return out;
 }
@@ -155,17 +165,19 @@ absl::Status PoolTier::Get(const PoolLookup& lookup, std::span<const size_t> whi
       if (!f || f->node != node) continue;
       part.objects.push_back(f->object);
       part_dst.push_back(dst[k]);
-    }
-    if (part.objects.empty()) continue;
-    for (const pool_node::PoolLease& l : lookup.leases) {
-      for (const pool_node::RemoteObject& o : l.objects) {
-        if (o.key == part.objects.front().key && o.pages == part.objects.front().pages) {
+      // The part is usable while every lease its objects came under is.
+      if (f->lease < lookup.leases.size()) {
+        const pool_node::PoolLease& l = lookup.leases[f->lease];
+        if (part.lease_id == 0) {
           part.lease_id = l.lease_id;
           part.expires_unix_ms = l.expires_unix_ms;
+        }
+        if (l.usable_until && (!part.usable_until || *l.usable_until < *part.usable_until)) {
           part.usable_until = l.usable_until;
         }
       }
     }
+    if (part.objects.empty()) continue;
     part.prefix_blocks = static_cast<uint32_t>(part.objects.size());
     pool_node::PoolClient* c = nodes_[node].client.get();
     if (c == nullptr) return absl::UnavailableError(absl::StrCat("pool node ", nodes_[node].address, " went away"));
@@ -179,15 +191,14 @@ absl::Status PoolTier::Get(const PoolLookup& lookup, std::span<const size_t> whi
 }
 
 void PoolTier::Release(PoolLookup& lookup) {
-  for (const pool_node::PoolLease& l : lookup.leases) {
-    for (size_t node = 0; node < nodes_.size(); ++node) {
-      if (l.objects.empty() || nodes_[node].client == nullptr) continue;
-      bool mine = false;
-      for (const auto& f : lookup.found) mine = mine || (f && f->node == node && f->object.key == l.objects.front().key);
-      if (mine) nodes_[node].client->ReleaseAsync(l.lease_id);  // off the engine thread; leases also expire
-    }
+  for (size_t i = 0; i < lookup.leases.size(); ++i) {
+    // Off the engine thread; leases also expire. A node marked down since has no client
+    // to send it: its lease runs out on its own.
+    Node& n = nodes_[lookup.lease_nodes[i]];
+    if (n.client != nullptr) n.client->ReleaseAsync(lookup.leases[i].lease_id);
   }
   lookup.leases.clear();
+  lookup.lease_nodes.clear();
 }
 
 uint64_t PoolTier::Put(std::span<const PoolPut> items) {

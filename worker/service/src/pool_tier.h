@@ -51,11 +51,15 @@ struct PoolTierOptions {
 struct PoolFound {
   size_t node = 0;  // index into node_addresses
   pool_node::RemoteObject object;
+  size_t lease = SIZE_MAX;  // index into PoolLookup::leases (SIZE_MAX: none)
 };
 
 struct PoolLookup {
   std::vector<std::optional<PoolFound>> found;  // [hashes.size()]
-  std::vector<pool_node::PoolLease> leases;     // one per node answered, to Release
+  // One per Lookup RPC answered with a lease (a node gets one RPC per
+  // PoolClient::kMaxLookupHashes of its hashes), to Release; lease_nodes[i] is leases[i]'s.
+  std::vector<pool_node::PoolLease> leases;
+  std::vector<size_t> lease_nodes;
 };
 
 struct PoolPut {

@@ -146,6 +146,8 @@ class PoolClient {
   static absl::StatusOr<std::unique_ptr<PoolClient>> Connect(PoolClientOptions options);
   ~PoolClient();
 
+  // At most kMaxLookupHashes hashes per call (the node's limit; split longer chains).
+  static constexpr size_t kMaxLookupHashes = 4096;
   absl::StatusOr<PoolLease> Lookup(std::span<const BlockHash> chain,
                                    StateKind kind = StateKind::kAttnKv, uint32_t lease_ms = 0,
                                    bool allow_gaps = false);
