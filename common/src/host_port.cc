@@ -51,4 +51,57 @@ absl::Status CheckListenAddress(absl::string_view flag, absl::string_view value)
                                                  "; give host:port, e.g. 127.0.0.1:50051 (port 0 picks one)"));
 }
 
+absl::Status CheckDialAddress(absl::string_view flag, absl::string_view value) {
+  const std::string why = HostPortProblem(value, HostPortUse::kDial);
+  if (why.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(flag, "='", value.substr(0, 128), "' ", why,
+                                                 "; give host:port, e.g. 10.0.0.5:50051"));
+}
+
+bool IsUnixSocketAddress(absl::string_view address) {
+  return absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:");
+}
+
+bool ValidSourceId(absl::string_view id) {
+  if (id.empty() || id.size() > 128) return false;
+  return std::all_of(id.begin(), id.end(),
+                     [](char c) { return absl::ascii_isalnum(c) || c == '.' || c == '_' || c == ':' || c == '-'; });
+}
+
+absl::Status CheckSourceId(absl::string_view flag, absl::string_view value) {
+  if (ValidSourceId(value)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(flag, "='", value.substr(0, 128), "'",
+                                                 value.size() > 128 ? "... (" : "", value.size() > 128 ? absl::StrCat(value.size(), " bytes)") : "",
+                                                 " must be 1..128 bytes of letters, digits and . _ : -"));
+}
+
+absl::Status CheckMetricsPort(int port) {
+  if (port >= -1 && port <= 65535) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("--metrics-port=", port, " must be -1 (off), 0 (pick one) or a port up to 65535"));
+}
+
+absl::Status CheckServiceFlags(const ServiceFlags& f) {
+  if (absl::Status s = CheckListenAddress("--listen", f.listen); !s.ok()) return s;
+  if (!f.advertise.empty()) {
+    if (absl::Status s = CheckDialAddress("--advertise", f.advertise); !s.ok()) return s;
+  }
+  if (!f.router.empty()) {
+    if (absl::Status s = CheckDialAddress("--router", f.router); !s.ok()) return s;
+    if (IsUnixSocketAddress(f.listen) && f.advertise.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--listen='", f.listen.substr(0, 128), "' is a Unix socket, which the router cannot hand to "
+          "clients: give --advertise host:port (an address that reaches this process)"));
+    }
+    if (IsUnixSocketAddress(f.listen) && f.id.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("--listen='", f.listen.substr(0, 128), "' is a Unix socket: give ",
+                                                     f.id_flag, " (the default id is made from the port)"));
+    }
+  }
+  if (!f.id.empty()) {
+    if (absl::Status s = CheckSourceId(f.id_flag, f.id); !s.ok()) return s;
+  }
+  return CheckMetricsPort(f.metrics_port);
+}
+
 }  // namespace kvpool

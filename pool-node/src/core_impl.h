@@ -20,6 +20,7 @@
 //     one), so every chain ends and every object can become a leaf.
 #pragma once
 
+#include <atomic>
 #include <deque>
 #include <memory>
 #include <set>
@@ -153,6 +154,9 @@ class PoolCore::Impl {
   // Background maintenance.
   absl::Mutex bg_mu_;
   bool stop_ ABSL_GUARDED_BY(bg_mu_) = false;
+  // Set with stop_: a demotion pass under way ends after its current rounds (a node
+  // told to stop does not first write up to 64K objects to NVMe).
+  std::atomic<bool> stopping_{false};
   std::thread bg_;
 
   // --- bookkeeping (core_objects.cc) ---

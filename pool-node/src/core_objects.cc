@@ -595,7 +595,7 @@ size_t PoolCore::Impl::DemotePipelined(size_t max_objects, uint64_t stop_at_used
       size_t want;
       {
         absl::MutexLock l(&m);
-        if (taken >= max_objects) return;
+        if (taken >= max_objects || stopping_.load()) return;
         want = std::min(kRound, max_objects - taken);
         taken += want;
       }

@@ -110,6 +110,7 @@ absl::StatusOr<NodeConfig> ParseNodeFlags(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return absl::InvalidArgumentError(absl::StrCat(e.what(), "; see --help"));
   }
+  cfg.node_id_given = app.count("--node-id") > 0;
   ASSIGN_OR_RETURN(cfg.pool.dram_bytes, ParseBytes(dram, "--dram"));
   RETURN_IF_ERROR(CheckDramFitsHost(cfg.pool.dram_bytes, ReadHostMemory()));
   ASSIGN_OR_RETURN(cfg.pool.page_bytes, ParseBytes(page, "--page-bytes"));
@@ -137,6 +138,7 @@ struct NodeServer::State {
   std::atomic<bool> shut{false};
 
   ~State() {
+    if (core) core->RequestStop();  // a demotion pass ends while the server drains
     if (server) server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
     if (service) service->Drain();  // Lookups waiting for NVMe use the core: before it goes
     http.reset();
@@ -159,8 +161,15 @@ absl::StatusOr<std::unique_ptr<NodeServer>> NodeServer::Start(NodeConfig config)
   std::unique_ptr<NodeServer> n(new NodeServer());
   State& s = *n->s_;
   s.cfg = std::move(config);
-  RETURN_IF_ERROR(CheckListenAddress("--listen", s.cfg.listen));
   PoolOptions& po = s.cfg.pool;
+  // Without --node-id the node is named pool-<port> once the port is bound (below).
+  const bool default_id = !s.cfg.node_id_given && (po.node_id.empty() || po.node_id == PoolOptions{}.node_id);
+  RETURN_IF_ERROR(CheckServiceFlags({.listen = s.cfg.listen,
+                                     .advertise = s.cfg.advertise,
+                                     .router = s.cfg.router,
+                                     .id_flag = "--node-id",
+                                     .id = default_id ? "" : po.node_id,
+                                     .metrics_port = s.cfg.metrics_port}));
   if (po.page_bytes < 4096 || (po.page_bytes & (po.page_bytes - 1)) != 0) {
     return absl::InvalidArgumentError(absl::StrCat("--page-bytes=", po.page_bytes,
                                                    " must be a power of two >= 4096"));
@@ -186,8 +195,6 @@ absl::StatusOr<std::unique_ptr<NodeServer>> NodeServer::Start(NodeConfig config)
   // when both are done, i.e. thread churn during every pipelined Put.
   builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MIN_POLLERS, 2);
   builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MAX_POLLERS, 4);
-  // Without --node-id the node is named pool-<port> once the port is bound (below).
-  const bool default_id = po.node_id.empty() || po.node_id == PoolOptions{}.node_id;
   if (!s.cfg.router.empty()) {
     // The advertised port is filled in once the server has bound it (--listen=host:0).
     s.publisher = std::make_unique<RouterPublisher>(s.cfg.router, po.node_id, s.cfg.advertise,

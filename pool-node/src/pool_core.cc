@@ -155,8 +155,12 @@ void PoolCore::StopBackground() {
     absl::MutexLock l(&impl_->bg_mu_);
     impl_->stop_ = true;
   }
+  RequestStop();
   if (impl_->bg_.joinable()) impl_->bg_.join();
+  impl_->stopping_ = false;  // the core stays usable (e.g. for the router's last dump)
 }
+
+void PoolCore::RequestStop() { impl_->stopping_ = true; }
 
 uint32_t PoolCore::nvme_pages() const { return impl_->nvme_ ? impl_->nvme_->num_pages() : 0; }
 std::string PoolCore::nvme_data_path() const { return impl_->nvme_ ? impl_->nvme_->data_path() : ""; }
@@ -328,6 +332,11 @@ absl::StatusOr<std::vector<CommitOutcome>> PoolCore::Commit(uint64_t reservation
     return absl::InvalidArgumentError(
         "end_now=true with partial=true: end_now ends the reservation, so the Commit must be final (partial=false)");
   }
+  if (commits > 1 && (partial || end_now)) {  // 0 and 1 both mean just this one
+    return absl::InvalidArgumentError(absl::StrCat(
+        "commits=", commits, " with ", partial ? "partial" : "end_now",
+        "=true: only a final Commit counts the Commits sent; leave commits 0 on this one"));
+  }
   Impl& im = *impl_;
   // Phase 1: claim the named entries; while any Commit of it verifies, expiry leaves the
   // reservation alone, and a final Commit's end waits for the others.
@@ -349,6 +358,19 @@ absl::StatusOr<std::vector<CommitOutcome>> PoolCore::Commit(uint64_t reservation
           "partial ends it) or reclaimed after ", options_.reserve_timeout_ms, " ms; Reserve again"));
     }
     ReservationState& rs = it->second;
+    if (partial && entries.empty()) {
+      return absl::InvalidArgumentError(
+          "entries is empty on a partial Commit, which would publish nothing; name the entries "
+          "written, or send the final Commit (partial=false)");
+    }
+    // Each Commit but a final empty one names an entry of its own: more than that many
+    // would keep the reservation (and its pages) waiting for Commits that never come.
+    if (!partial && !end_now && commits > rs.entries.size() + 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "commits=", commits, " is more Commits than reservation ", reservation_id, " of ",
+          rs.entries.size(), " entries can have (at most ", rs.entries.size() + 1,
+          "); count the Commits sent for it, this one included"));
+    }
     // end_now: no Commit that has not come yet is waited for (this one is the last).
     if (end_now) {
       rs.last = rs.claimed + 1;

@@ -221,8 +221,20 @@ grpc::ServerUnaryReactor* PoolNodeService::Lookup(grpc::CallbackServerContext* c
   if (absl::IsUnavailable(ans.status())) {  // needs NVMe reads: not on this thread
     grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
     spec.never_block = false;
-    blocking_->Run([this, r, resp, start, spec = std::move(spec)] {
-      r->Finish(FinishLookup(core_->Lookup(spec), resp, start));
+    blocking_->Run([this, ctx, r, resp, start, spec = std::move(spec)] {
+      // Queued behind other NVMe Lookups, the caller may have gone (its deadline passed):
+      // then no promotion, and no lease pinning objects for an answer nobody reads.
+      if (ctx->IsCancelled()) {
+        r->Finish(Done(kLookup, absl::CancelledError("the caller went away before the Lookup ran")));
+        return;
+      }
+      absl::StatusOr<LookupAnswer> answer = core_->Lookup(spec);
+      if (answer.ok() && answer->lease_id != 0 && ctx->IsCancelled()) {
+        (void)core_->Release(answer->lease_id);
+        r->Finish(Done(kLookup, absl::CancelledError("the caller went away during the Lookup")));
+        return;
+      }
+      r->Finish(FinishLookup(std::move(answer), resp, start));
     });
     return r;
   }

@@ -36,15 +36,27 @@ void RouterPublisher::Start(const PoolCore* core, const std::string& advertise,
   o.registration.set_address(advertise);
   o.registration.set_source_id(source_id);
   o.dump = [this] {
-    std::vector<v1::KvEvent> dump;
+    // Copied under the core's lock (the snapshot the later events follow); the events,
+    // with their heap strings, are built after it, not while every call waits.
+    struct Visible {
+      ObjectKey key;
+      std::optional<BlockHash> parent;
+      Tier tier;
+    };
+    std::vector<Visible> visible;
     core_->ForEachVisible([&](const ObjectKey& k, const std::optional<BlockHash>& parent, Tier t) {
-      dump.push_back(StoredEvent(k, parent, t));
+      visible.push_back({k, parent, t});
     });
+    std::vector<v1::KvEvent> dump;
+    dump.reserve(visible.size());
+    for (const Visible& v : visible) dump.push_back(StoredEvent(v.key, v.parent, v.tier));
     return dump;
   };
   owned_ = std::make_unique<router::EventPublisher>(std::move(o));
-  owned_->Start();
+  // Before Start: a change made between the publisher's first dump and this store would
+  // otherwise be in neither (Publish drops events until the stream is up).
   pub_.store(owned_.get(), std::memory_order_release);
+  owned_->Start();
 }
 
 void RouterPublisher::OnStored(const ObjectKey& key, const std::optional<BlockHash>& parent, Tier tier) {

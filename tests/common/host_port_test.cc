@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include <string>
+
 namespace kvpool {
 namespace {
 
@@ -39,6 +41,60 @@ TEST(HostPort, ListenAddresses) {
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("--listen='127.0.0.1:99999' has no port in 0..65535"), absl::string_view::npos) << st;
   EXPECT_FALSE(CheckListenAddress("--listen", "unix:").ok());
+}
+
+TEST(HostPort, SourceIds) {
+  EXPECT_TRUE(ValidSourceId("worker-50071"));
+  EXPECT_TRUE(ValidSourceId("pool.a_1:x"));
+  EXPECT_FALSE(ValidSourceId(""));
+  EXPECT_FALSE(ValidSourceId("a b"));
+  EXPECT_FALSE(ValidSourceId("worker-/tmp/w.sock"));
+  EXPECT_TRUE(ValidSourceId(std::string(128, 'a')));
+  EXPECT_FALSE(ValidSourceId(std::string(129, 'a')));
+  const absl::Status st = CheckSourceId("--node-id", std::string(300, 'x'));
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("--node-id="), absl::string_view::npos) << st;
+  EXPECT_NE(st.message().find("300 bytes"), absl::string_view::npos) << st;
+  EXPECT_LT(st.message().size(), 300u) << st;
+}
+
+// The flags kvpool-node and kvpool-worker share: each refusal names its flag.
+TEST(HostPort, ServiceFlags) {
+  auto refused = [](ServiceFlags f, const std::string& flag) {
+    const absl::Status st = CheckServiceFlags(f);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << flag;
+    EXPECT_NE(st.message().find(flag), absl::string_view::npos) << st;
+  };
+  const ServiceFlags ok{.listen = "0.0.0.0:0", .advertise = "", .router = "10.0.0.1:50051", .id_flag = "--node-id", .id = "", .metrics_port = 0};
+  EXPECT_TRUE(CheckServiceFlags(ok).ok());
+  ServiceFlags f = ok;
+  f.advertise = "pool-a";  // no port: the router would refuse every registration
+  refused(f, "--advertise");
+  f = ok;
+  f.router = "router";
+  refused(f, "--router");
+  f = ok;
+  f.id = "a b";
+  refused(f, "--node-id");
+  f = ok;
+  f.metrics_port = -7;
+  refused(f, "--metrics-port");
+  f.metrics_port = 70000;
+  refused(f, "--metrics-port");
+  f = ok;
+  f.listen = "unix-abstract:kvpool";  // the router cannot hand a Unix socket to clients
+  refused(f, "--advertise");
+  f.advertise = "10.0.0.2:50061";
+  refused(f, "--node-id");  // the default id is made from a port
+  f.id = "pool-a";
+  EXPECT_TRUE(CheckServiceFlags(f).ok());
+  f.router = "";  // no router: nothing to announce
+  f.advertise = "";
+  f.id = "";
+  EXPECT_TRUE(CheckServiceFlags(f).ok());
+  EXPECT_TRUE(CheckMetricsPort(-1).ok());
+  EXPECT_TRUE(CheckMetricsPort(0).ok());
+  EXPECT_TRUE(CheckMetricsPort(65535).ok());
 }
 
 }  // namespace

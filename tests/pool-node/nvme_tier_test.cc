@@ -640,6 +640,30 @@ TEST_F(NvmeTierTest, FailedCompactionKeepsPagesHeldBackAndRetriesLater) {
   ExpectChainReadsBack(*core, 1000, 2, kPage);
 }
 
+// A node told to stop ends a demotion pass after the rounds under way (it used to
+// write up to 64K objects to NVMe first, past a pod's grace period).
+TEST_F(NvmeTierTest, AStopEndsADemotionPassAfterItsCurrentRounds) {
+  PoolCore* target = nullptr;
+  std::atomic<bool> asked{false};
+  PoolOptions o;
+  o.journal_write_fault = [&](JournalWrite w) {
+    // The first round's ADD: the node is told to stop while the pass runs.
+    if (w == JournalWrite::kAppend && target != nullptr && !asked.exchange(true)) target->RequestStop();
+    return absl::OkStatus();
+  };
+  constexpr uint64_t kObjects = 1024;
+  auto core = Make(kObjects + 8, kObjects + 8, o);
+  for (uint64_t i = 0; i < kObjects; ++i) {
+    ASSERT_TRUE(Put(*core, H(i), std::nullopt, Pattern(i, kPage)).ok());
+  }
+  target = core.get();
+  const size_t moved = core->Demote(kObjects);
+  EXPECT_TRUE(asked);
+  EXPECT_GT(moved, 0u);
+  EXPECT_LE(moved, 2 * 64u) << "rounds of 64, two in flight, none started after the stop";
+  EXPECT_EQ(core->Stats().demotions, moved);
+}
+
 TEST_F(NvmeTierTest, EvictionDuringACompactionLandsInTheRewrittenJournal) {
   std::atomic<bool> fail_append{false}, hold_rewrite{false};
   std::atomic<bool> in_rewrite{false}, release{false};

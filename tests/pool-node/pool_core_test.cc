@@ -220,10 +220,11 @@ TEST_F(PoolCoreTest, FinalCommitFreesWhatNoCommitNamedAndAMissingOneTimesOut) {
   EXPECT_FALSE(core->Inspect({H(2), StateKind::kAttnKv}));
 
   // Counted three Commits; only two come: the reservation waits, then times out.
-  auto r2 = core->Reserve(std::span<const ReserveEntrySpec>(&specs[1], 1));
+  auto r2 = core->Reserve(specs);  // H(1) (present) and H(2)
   ASSERT_TRUE(r2.ok()) << r2.status();
   ASSERT_TRUE(core->Commit(r2->id, {}, /*partial=*/false, /*commits=*/3).ok());
-  ASSERT_TRUE(core->Commit(r2->id, {}, /*partial=*/true).ok());
+  const CommitEntrySpec present{H(1), 0};  // already present: nothing to verify
+  ASSERT_TRUE(core->Commit(r2->id, {&present, 1}, /*partial=*/true).ok());
   EXPECT_EQ(core->Stats().pending_reservations, 1u);
   // A second final Commit is refused: the reservation has one end.
   EXPECT_EQ(core->Commit(r2->id, {}, /*partial=*/false).status().code(), absl::StatusCode::kNotFound);
@@ -233,6 +234,33 @@ TEST_F(PoolCoreTest, FinalCommitFreesWhatNoCommitNamedAndAMissingOneTimesOut) {
   EXPECT_EQ(st.pending_reservations, 0u);
   EXPECT_EQ(st.reserved_bytes, 0u);
   EXPECT_EQ(st.reclaimed_reservations, 1u);
+}
+
+// CommitRequest.commits: counted by a final Commit only, and at most one Commit per
+// entry plus a final empty one; otherwise the reservation would wait for Commits that
+// never come, holding its pages until the reserve timeout. Refusals change nothing.
+TEST_F(PoolCoreTest, CommitCountsThatCannotBeRightAreRefused) {
+  auto core = Make(8);
+  auto r = ReserveTwoCommitTheFirst(*core);
+  ASSERT_TRUE(r.ok()) << r.status();
+  auto partial_counted = core->Commit(r->id, {}, /*partial=*/true, /*commits=*/5);
+  EXPECT_EQ(partial_counted.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(partial_counted.status().message()), ::testing::HasSubstr("commits=5"));
+  auto end_now_counted = core->Commit(r->id, {}, /*partial=*/false, /*commits=*/5, /*end_now=*/true);
+  EXPECT_EQ(end_now_counted.status().code(), absl::StatusCode::kInvalidArgument);
+  auto too_many = core->Commit(r->id, {}, /*partial=*/false, /*commits=*/1000);
+  EXPECT_EQ(too_many.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(too_many.status().message()), ::testing::HasSubstr("at most 3"));
+  EXPECT_EQ(core->Commit(r->id, {}, /*partial=*/true).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(core->Stats().pending_reservations, 1u);
+  // Two entries: up to three Commits (one each, then an empty final one).
+  const std::string b = Pattern(2, 2 * kPage);
+  core->CopyToRun(r->slots[1].run, testing::Bytes(b));
+  const CommitEntrySpec cb{H(2), Checksum64(testing::Bytes(b))};
+  ASSERT_TRUE(core->Commit(r->id, {&cb, 1}, /*partial=*/true).ok());
+  ASSERT_TRUE(core->Commit(r->id, {}, /*partial=*/false, /*commits=*/3).ok());
+  EXPECT_EQ(core->Stats().pending_reservations, 0u);
+  EXPECT_TRUE(core->Inspect({H(2), StateKind::kAttnKv}));
 }
 
 // end_now: a client whose Commit was lost on the way ends the reservation without

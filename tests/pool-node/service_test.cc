@@ -916,6 +916,47 @@ TEST(NodeIdDefault, IsPoolDashBoundPort) {
   router_server->Shutdown();
 }
 
+// Flags the router would refuse at registration (forever, with only a warning) are
+// refused at start, naming the flag; an explicit --node-id is used as given, even when it
+// is the default name.
+TEST(NodeFlags, RefusedAtStartOrKeptAsGiven) {
+  auto parse = [](std::vector<std::string> args) {
+    args.insert(args.begin(), "kvpool-node");
+    args.push_back("--dram=1MiB");
+    args.push_back("--page-bytes=4096");
+    args.push_back("--metrics-port=-1");
+    args.push_back("--listen=127.0.0.1:0");
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    return ParseNodeFlags(static_cast<int>(argv.size()), argv.data());
+  };
+  auto refused = [&](std::vector<std::string> args, const std::string& flag) {
+    auto cfg = parse(std::move(args));
+    ASSERT_TRUE(cfg.ok()) << cfg.status();
+    auto node = NodeServer::Start(*cfg);
+    ASSERT_FALSE(node.ok()) << flag;
+    EXPECT_EQ(node.status().code(), absl::StatusCode::kInvalidArgument) << node.status();
+    EXPECT_THAT(std::string(node.status().message()), ::testing::HasSubstr(flag));
+  };
+  refused({"--router=127.0.0.1:1", "--advertise=pool-a"}, "--advertise");
+  refused({"--router=router-without-port"}, "--router");
+  refused({"--node-id=a/b"}, "--node-id");
+  refused({"--node-id=" + std::string(129, 'n')}, "--node-id");
+  auto quiet_metrics = parse({});
+  ASSERT_TRUE(quiet_metrics.ok()) << quiet_metrics.status();
+  quiet_metrics->metrics_port = -5;  // used to turn metrics off without a word
+  auto no_node = NodeServer::Start(*quiet_metrics);
+  ASSERT_FALSE(no_node.ok());
+  EXPECT_THAT(std::string(no_node.status().message()), ::testing::HasSubstr("--metrics-port"));
+
+  auto cfg = parse({"--node-id=pool-node"});
+  ASSERT_TRUE(cfg.ok()) << cfg.status();
+  EXPECT_TRUE(cfg->node_id_given);
+  auto node = NodeServer::Start(*cfg);
+  ASSERT_TRUE(node.ok()) << node.status();
+  EXPECT_EQ((*node)->core().Stats().node_id, "pool-node");
+}
+
 TEST_F(ServiceTest, GetAfterLeaseExpiryFailsCleanly) {
   auto pages = Stage(5, 70'000, 0);
   auto put = client_->Put(std::vector<PutItem>{{H(5), std::nullopt, StateKind::kAttnKv, pages, 70'000}});

@@ -18,7 +18,9 @@ constexpr size_t kMaxCompleted = 65536;
 
 EventPublisher::EventPublisher(EventPublisherOptions options) : opts_(std::move(options)) {}
 
-EventPublisher::~EventPublisher() {
+EventPublisher::~EventPublisher() { Stop(); }
+
+void EventPublisher::Stop() {
   {
     absl::MutexLock l(&mu_);
     stop_ = true;
@@ -27,6 +29,9 @@ EventPublisher::~EventPublisher() {
     if (live_ctx_ != nullptr) live_ctx_->TryCancel();
   }
   if (thread_.joinable()) thread_.join();
+  absl::MutexLock l(&mu_);
+  streaming_ = false;  // Publish drops events from here
+  queue_.clear();
 }
 
 void EventPublisher::Start() {

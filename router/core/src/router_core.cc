@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "kvpool/common/host_port.h"
 #include "kvpool/common/status.h"
 
 namespace kvpool::router {
@@ -16,16 +17,6 @@ std::string Clipped(absl::string_view s) {
 }  // namespace
 
 namespace {
-
-bool ValidSourceId(absl::string_view id) {
-  if (id.empty() || id.size() > 128) return false;
-  for (char c : id) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-                    c == '.' || c == '_' || c == ':' || c == '-';
-    if (!ok) return false;
-  }
-  return true;
-}
 
 absl::Status ValidateEvent(absl::string_view source_id, SourceKind kind, const KvEvent& e, size_t i) {
   if (e.type == KvEvent::Type::kCleared) return absl::OkStatus();

@@ -112,9 +112,7 @@ int RunRouterMain(int argc, char** argv) {
   if (!std::isfinite(c.ttft_slo_s) || c.ttft_slo_s < 0) {
     return bad(absl::StrCat("--ttft-slo=", c.ttft_slo_s, " must be a finite number of seconds >= 0 (0 = off)"));
   }
-  if (o.metrics_port < -1 || o.metrics_port > 65535) {
-    return bad(absl::StrCat("--metrics-port=", o.metrics_port, " must be -1 (off), 0 (pick one) or a port up to 65535"));
-  }
+  if (absl::Status m = CheckMetricsPort(o.metrics_port); !m.ok()) return bad(m.message());
   if (absl::Status l = CheckListenAddress("--listen", o.listen); !l.ok()) return bad(l.message());
   // Otherwise Tick drops every source between two of its heartbeats.
   if (heartbeat_timeout_s * 1000 < 2.0 * heartbeat_interval_ms) {

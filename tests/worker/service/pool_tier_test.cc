@@ -51,6 +51,10 @@ TEST(PoolTierTest, LookupsLongerThanOneCallFindEveryBlock) {
   PoolTierOptions o;
   o.node_addresses = {absl::StrCat("127.0.0.1:", (*node)->port())};
   o.client_id = "pool-tier-test";
+  // Generous: 8K objects on a loaded 2-core machine (or under ASan) take seconds, and a
+  // timed-out call would mark the node down (what is tested here is the split).
+  o.rpc_timeout_ms = 120'000;
+  o.transfer_timeout = absl::Seconds(120);
   auto tier = PoolTier::Create(o, {arena.get(), arena_bytes}, kPage);
   ASSERT_TRUE(tier.ok()) << tier.status();
 

@@ -17,6 +17,7 @@
 #include "absl/container/flat_hash_set.h"
 
 #include "absl/strings/str_cat.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "kvpool/pool_node/node_server.h"
 #include "kvpool/router/router_client.h"
 #include "kvpool/router/router_server.h"
@@ -416,6 +417,44 @@ TEST(WorkerService, FailedStepOffloadsNothing) {
   EXPECT_EQ(w.Stats().bytes_moved_by_tier().at("offloaded"), 0u);
 }
 
+// After a failed step the runner refuses all further work: the worker says so where
+// clients and health checkers look (health NOT_SERVING; UNAVAILABLE naming why, so a
+// client tries elsewhere) and stops its heartbeats to the router. It used to stay
+// SERVING and answer FAILED_PRECONDITION to every request.
+TEST(WorkerService, AFailedStepTakesTheWorkerOutOfService) {
+  Cluster cl("out-of-service");
+  cl.StartRouter("tiny-gqa");
+  std::atomic<int> forwards{0};
+  WorkerConfig wc;
+  wc.instance_id = "worker-o";
+  wc.forward_fault = [&forwards]() -> absl::Status {
+    return ++forwards == 2 ? absl::InternalError("injected kernel failure") : absl::OkStatus();
+  };
+  const int port = cl.StartWorker(wc);
+  Client w(port);
+  auto health = [port] {
+    auto stub = grpc::health::v1::Health::NewStub(
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    grpc::health::v1::HealthCheckResponse resp;
+    const grpc::Status st = stub->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &resp);
+    EXPECT_TRUE(st.ok()) << st.error_message();
+    return resp.status();
+  };
+  std::mt19937 rng(11);
+  ASSERT_TRUE(w.Generate(RandomTokens(rng, 20, 512), 1).ok());  // forward 1
+  EXPECT_EQ(health(), grpc::health::v1::HealthCheckResponse::SERVING);
+  auto failed = w.Generate(RandomTokens(rng, 20, 512), 1);  // forward 2 fails
+  ASSERT_FALSE(failed.ok());
+  EXPECT_NE(failed.status().message().find("injected kernel failure"), absl::string_view::npos) << failed.status();
+  EXPECT_EQ(health(), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  auto after = w.Generate(RandomTokens(rng, 20, 512), 1);
+  ASSERT_FALSE(after.ok());
+  EXPECT_EQ(after.status().code(), absl::StatusCode::kUnavailable) << after.status();
+  EXPECT_NE(after.status().message().find("out of service"), absl::string_view::npos) << after.status();
+  EXPECT_NE(after.status().message().find("injected kernel failure"), absl::string_view::npos) << after.status();
+}
+
 TEST(WorkerService, BadRequestsNameTheField) {
   Cluster cl("bad");
   WorkerConfig c;
@@ -790,6 +829,54 @@ TEST(WorkerService, HybridPromptCountsItsStatePages) {
 // prefix at admission first, then the blocks fetched after it. When fetched blocks are
 // evicted before the prefill step the hit is shorter from its end, and the pool share
 // shrinks (before, min(fetched, hit) counted the local prefix as fetched).
+// Flags that used to be taken and fail later (a registration the router refuses
+// forever, pool connections refused forever, metrics quietly off) are refused naming
+// the flag; --pool-nodes entries are trimmed (placement hashes them as written).
+TEST(WorkerFlags, RefusedNamingTheFlag) {
+  auto parse = [](std::vector<std::string> args) {
+    args.insert(args.begin(), "kvpool-worker");
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    return ParseWorkerFlags(static_cast<int>(argv.size()), argv.data());
+  };
+  auto cfg = parse({"--pool-nodes", "10.0.0.1:50061, 10.0.0.2:50061 ,"});
+  ASSERT_TRUE(cfg.ok()) << cfg.status();
+  EXPECT_EQ(cfg->pool_nodes, (std::vector<std::string>{"10.0.0.1:50061", "10.0.0.2:50061"}));
+  for (const auto& [args, flag] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--pool-nodes", "10.0.0.1:50061,pool-b"}, "--pool-nodes"},
+           {{"--offload", "write-back"}, "--offload"},
+           {{"--fetch", "always"}, "--fetch"}}) {
+    auto bad = parse(args);
+    ASSERT_FALSE(bad.ok()) << flag;
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(bad.status().message().find(flag), absl::string_view::npos) << bad.status();
+  }
+  EXPECT_TRUE(parse({"--offload", "off"}).ok());
+
+  auto refused_at_start = [](WorkerConfig c, const std::string& flag) {
+    c.listen = "127.0.0.1:0";
+    c.model = "tiny-gqa";
+    auto w = WorkerServer::Start(c);
+    ASSERT_FALSE(w.ok()) << flag;
+    EXPECT_EQ(w.status().code(), absl::StatusCode::kInvalidArgument) << w.status();
+    EXPECT_NE(w.status().message().find(flag), absl::string_view::npos) << w.status();
+  };
+  WorkerConfig c;
+  c.metrics_port = -1;
+  c.instance_id = "worker 1";
+  refused_at_start(c, "--instance-id");
+  c.instance_id = std::string(200, 'w');
+  refused_at_start(c, "--instance-id");
+  c.instance_id = "";
+  c.router = "127.0.0.1:1";
+  c.advertise = "worker-host";
+  refused_at_start(c, "--advertise");
+  c.router = "";
+  c.advertise = "";
+  c.metrics_port = -7;
+  refused_at_start(c, "--metrics-port");
+}
+
 TEST(SplitPrefixHit, ByPositionInThePrefix) {
   auto split = [](int64_t hit, int64_t local, int64_t fetched) {
     const HitSplit s = SplitPrefixHit(hit, local, fetched);

@@ -158,8 +158,31 @@ absl::Status Engine::Submit(EngineRequest request, EngineDone done) {
   p->arrived = MonotonicNow();
   absl::MutexLock l(&mu_);
   if (stop_ || !started_) return absl::UnavailableError("the worker is shutting down; send the request elsewhere");
+  if (!out_of_service_.ok()) {
+    return absl::UnavailableError(absl::StrCat("worker ", cfg_.instance_id,
+                                               " is out of service after a failed engine step (",
+                                               out_of_service_.message(), "); send the request elsewhere and restart it"));
+  }
   queue_.push_back(std::move(p));
   return absl::OkStatus();
+}
+
+void Engine::SetOutOfServiceHandler(std::function<void(const absl::Status&)> on_out_of_service) {
+  absl::Status already;
+  {
+    absl::MutexLock l(&mu_);
+    if (out_of_service_.ok()) {
+      on_out_of_service_ = std::move(on_out_of_service);
+      return;
+    }
+    already = out_of_service_;
+  }
+  if (on_out_of_service) on_out_of_service(already);
+}
+
+absl::Status Engine::out_of_service() const {
+  absl::MutexLock l(&mu_);
+  return out_of_service_;
 }
 
 void Engine::Loop() {
@@ -372,7 +395,19 @@ void Engine::StepOnce() {
   absl::StatusOr<std::vector<model::SequenceId>> finished = runner_->Step();
   const absl::Time t1 = MonotonicNow();
   if (!finished.ok()) {
-    spdlog::error("engine step failed: {}; failing every request", std::string(finished.status().message()));
+    spdlog::error("engine step failed: {}; failing every request, and the worker is out of service "
+                  "(health NOT_SERVING, no heartbeats): restart it",
+                  std::string(finished.status().message()));
+    std::function<void(const absl::Status&)> handler;
+    {
+      absl::MutexLock l(&mu_);
+      out_of_service_ = finished.status().ok() ? absl::InternalError("engine step failed") : finished.status();
+      handler = std::move(on_out_of_service_);
+      on_out_of_service_ = nullptr;
+    }
+    // Before the requests are answered: a client told of the failure finds the worker
+    // out of service already.
+    if (handler) handler(finished.status());
     FailAll(finished.status());
     // The step cached pages its forward pass never wrote (the runner refuses further
     // work): none of what waits to be offloaded may reach the pool.

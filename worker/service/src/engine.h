@@ -104,6 +104,14 @@ class Engine : public cache::KvEventSink {
   std::vector<v1::KvEvent> DumpEvents() const;
   // Not owned; may be set while the engine runs. Null: no router.
   void SetPublisher(router::EventPublisher* publisher) { publisher_.store(publisher); }
+  // After a failed step the model runner refuses all further work (its cache may name
+  // pages the step never wrote): the engine is then out of service, Submit answers
+  // UNAVAILABLE, and `on_out_of_service` runs once, on the engine thread with no engine
+  // lock held (at once, on this thread, when it already is). The worker server turns its
+  // health to NOT_SERVING and stops its heartbeats, so the router routes elsewhere.
+  void SetOutOfServiceHandler(std::function<void(const absl::Status&)> on_out_of_service);
+  // OK while in service; else the failed step's error.
+  absl::Status out_of_service() const;
   // The configuration, as printed at start. Call before Start (it asks the pool nodes).
   std::string Describe();
 
@@ -202,6 +210,8 @@ class Engine : public cache::KvEventSink {
   uint64_t next_accounting_id_ = 1;
 
   mutable absl::Mutex mu_;
+  absl::Status out_of_service_ ABSL_GUARDED_BY(mu_);
+  std::function<void(const absl::Status&)> on_out_of_service_ ABSL_GUARDED_BY(mu_);
   std::deque<std::unique_ptr<Pending>> queue_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   bool started_ ABSL_GUARDED_BY(mu_) = false;

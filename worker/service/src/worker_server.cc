@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "CLI/CLI.hpp"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "engine.h"
@@ -185,7 +186,22 @@ absl::StatusOr<WorkerConfig> ParseWorkerFlags(int argc, char** argv) {
     return absl::InvalidArgumentError(absl::StrCat(e.what(), "; see --help"));
   }
   cfg.prefix_caching = !no_prefix_cache;
-  for (absl::string_view p : absl::StrSplit(pools, ',', absl::SkipWhitespace())) cfg.pool_nodes.emplace_back(p);
+  for (absl::string_view p : absl::StrSplit(pools, ',', absl::SkipWhitespace())) {
+    // "a:1, b:2": placement hashes the addresses as written, so " b:2" would be a
+    // different node from other workers' "b:2".
+    p = absl::StripAsciiWhitespace(p);
+    RETURN_IF_ERROR(CheckDialAddress("--pool-nodes", p));
+    cfg.pool_nodes.emplace_back(p);
+  }
+  if (cfg.pool_nodes.empty()) {
+    if (app.count("--offload") > 0 && cfg.offload != "off") {
+      return absl::InvalidArgumentError(absl::StrCat("--offload=", cfg.offload,
+                                                     " needs --pool-nodes (where blocks are offloaded to)"));
+    }
+    if (app.count("--fetch") > 0 && cfg.fetch == "always") {
+      return absl::InvalidArgumentError("--fetch=always needs --pool-nodes (where blocks are fetched from)");
+    }
+  }
   return cfg;
 }
 
@@ -217,7 +233,12 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerConfig c
   std::unique_ptr<WorkerServer> w(new WorkerServer());
   State& s = *w->s_;
   s.cfg = std::move(config);
-  RETURN_IF_ERROR(CheckListenAddress("--listen", s.cfg.listen));
+  RETURN_IF_ERROR(CheckServiceFlags({.listen = s.cfg.listen,
+                                     .advertise = s.cfg.advertise,
+                                     .router = s.cfg.router,
+                                     .id_flag = "--instance-id",
+                                     .id = s.cfg.instance_id,
+                                     .metrics_port = s.cfg.metrics_port}));
   ASSIGN_OR_RETURN(ModelSpec spec, ResolveModelSpec(s.cfg.model));
   ASSIGN_OR_RETURN(OffloadMode offload, ParseOffloadMode(s.cfg.offload));
   ASSIGN_OR_RETURN(FetchMode fetch, ParseFetchMode(s.cfg.fetch));
@@ -248,7 +269,8 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerConfig c
   if (s.cfg.instance_id.empty()) {
     const size_t c = s.cfg.listen.rfind(':');
     const std::string port = c == std::string::npos ? s.cfg.listen : s.cfg.listen.substr(c + 1);
-    s.cfg.instance_id = absl::StrCat("worker-", port == "0" ? absl::StrCat("pid", getpid()) : port);
+    const bool no_port = port == "0" || IsUnixSocketAddress(s.cfg.listen);
+    s.cfg.instance_id = absl::StrCat("worker-", no_port ? absl::StrCat("pid", getpid()) : port);
   }
   ec.instance_id = s.cfg.instance_id;
   ASSIGN_OR_RETURN(s.engine, Engine::Create(std::move(ec), &s.metrics));
@@ -278,10 +300,23 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerConfig c
     s.publisher = std::make_unique<router::EventPublisher>(std::move(po));
     s.engine->SetPublisher(s.publisher.get());
   }
-  if (s.publisher) s.publisher->Start();
+  // Metrics before the registration: a port that cannot be bound fails the start before
+  // the router has counted this worker.
   if (s.cfg.metrics_port >= 0) {
     ASSIGN_OR_RETURN(s.http, MetricsHttpServer::Start(&s.metrics, "0.0.0.0", s.cfg.metrics_port));
   }
+  // A failed engine step leaves the worker unable to serve (see Engine): health says so
+  // and the heartbeats stop, so the router and any health checker send traffic elsewhere.
+  grpc::Server* server = s.server.get();
+  router::EventPublisher* publisher = s.publisher.get();
+  const std::string id = s.cfg.instance_id;
+  s.engine->SetOutOfServiceHandler([server, publisher, id](const absl::Status& why) {
+    spdlog::error("worker {} is out of service: {}; health NOT_SERVING{}", id, std::string(why.message()),
+                  publisher != nullptr ? ", heartbeats to the router stopped" : "");
+    server->GetHealthCheckService()->SetServingStatus(false);
+    if (publisher != nullptr) publisher->Stop();
+  });
+  if (s.publisher) s.publisher->Start();
   absl::StrAppend(&s.describe, "  router         ", s.cfg.router.empty() ? "none" : s.cfg.router, "\n");
   absl::StrAppend(&s.describe, "  gRPC           ", s.cfg.listen, " (port ", s.port, "), kvpool.v1.Worker + health\n");
   absl::StrAppend(&s.describe, "  metrics        ",

@@ -1,4 +1,5 @@
-// Checks of host:port addresses, for --listen flags and the addresses sources register.
+// Checks of host:port addresses (for --listen flags and the addresses sources register),
+// of the ids sources register, and of the flags the service binaries share.
 //
 //   if (std::string why = HostPortProblem(flag_value, HostPortUse::kListen); !why.empty())
 //     return absl::InvalidArgumentError(absl::StrCat("--listen=", flag_value, ": ", why));
@@ -27,5 +28,27 @@ std::string HostPortProblem(absl::string_view address, HostPortUse use);
 // INVALID_ARGUMENT naming the flag (e.g. "--listen") and its value when `value` is not
 // a listen address (HostPortUse::kListen); OK otherwise.
 absl::Status CheckListenAddress(absl::string_view flag, absl::string_view value);
+// The same for an address clients dial (HostPortUse::kDial: --router, --advertise).
+absl::Status CheckDialAddress(absl::string_view flag, absl::string_view value);
+// "unix:PATH" or "unix-abstract:NAME" (a gRPC Unix socket: no host and port to announce).
+bool IsUnixSocketAddress(absl::string_view address);
+
+// The ids sources register with the router (worker instance ids, pool node ids):
+// 1..128 bytes of [A-Za-z0-9._:-].
+bool ValidSourceId(absl::string_view id);
+// INVALID_ARGUMENT naming the flag when `value` is not a valid source id.
+absl::Status CheckSourceId(absl::string_view flag, absl::string_view value);
+
+// The flags kvpool-node and kvpool-worker share, checked before anything starts (the
+// router would otherwise refuse the registration over and over, or metrics go quietly
+// off); errors name the flag and the fix. `id` may be empty (defaulted from the port).
+struct ServiceFlags {
+  absl::string_view listen, advertise, router;
+  absl::string_view id_flag, id;  // e.g. "--node-id"
+  int metrics_port = 0;
+};
+absl::Status CheckServiceFlags(const ServiceFlags& f);
+// -1 (off), 0 (pick one) or 1..65535, else INVALID_ARGUMENT naming --metrics-port.
+absl::Status CheckMetricsPort(int port);
 
 }  // namespace kvpool

@@ -29,6 +29,9 @@ struct NodeConfig {
   std::string router;                    // --router host:port; empty = no router
   int metrics_port = 0;                  // --metrics-port; 0 picks a free port, -1 disables
   PoolOptions pool;                      // --node-id --dram --page-bytes --nvme-dir --nvme ...
+  // --node-id was given: pool.node_id is used as is (else PoolOptions' default name, or
+  // an empty one, becomes pool-<port> once the port is bound).
+  bool node_id_given = false;
 };
 
 // Parses the kvpool-node command line. Errors name the flag. Refuses a --dram the host

@@ -260,7 +260,13 @@ class PoolCore {
   // Stops and joins the background thread (idempotent). After it, and once no call is
   // in progress, the core calls its EventSink no more: a node stops it before it
   // destroys the sink, while the core itself stays usable for the sink's full dump.
+  // A demotion pass under way ends after its current rounds (RequestStop); once the
+  // thread has stopped, Demote and RunMaintenance work again.
   void StopBackground();
+  // Asks demotion passes under way (background or Demote) to end after their current
+  // rounds, and later ones not to start, until StopBackground returns; does not wait.
+  // For a node about to stop: it calls this first, then shuts its server down.
+  void RequestStop();
   // Demotes up to `max_objects` DRAM objects to NVMe regardless of the watermarks, in
   // rounds of 64 (two in flight) of the coldest leaves and the parents that become
   // leaves with them; DRAM copies drop leaf-first. Returns how many moved. 0 without an

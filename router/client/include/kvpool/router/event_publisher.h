@@ -77,6 +77,11 @@ class EventPublisher {
   EventPublisher& operator=(const EventPublisher&) = delete;
 
   void Start();
+  // Stops the thread and cancels the stream (as the destructor does); idempotent. Later
+  // Publish and CompleteDecision calls are dropped. With no more heartbeats the router
+  // drops this source after its heartbeat timeout: for a process that must take no more
+  // traffic but cannot exit yet.
+  void Stop();
   // Queues an event; its sequence number is assigned when it is sent. A stored or removed
   // event of more than 4096 hashes (the router's limit per event) is queued as
   // consecutive events of at most 4096, stored parts chained by parent hash.
