@@ -580,6 +580,8 @@ class RawAmPeer {
       return UCS_OK;
     };
     EXPECT_EQ(ucp_worker_set_am_recv_handler(worker_, &hp), UCS_OK);
+    hp.id = kAmPutAck;  // recorded with the get responses
+    EXPECT_EQ(ucp_worker_set_am_recv_handler(worker_, &hp), UCS_OK);
     ucp_address_t* a = nullptr;
     size_t len = 0;
     EXPECT_EQ(ucp_worker_get_address(worker_, &a, &len), UCS_OK);
@@ -654,6 +656,17 @@ class RawAmPeer {
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     p.flags = UCP_AM_SEND_FLAG_REPLY;
     Wait(ucp_am_send_nbx(ep, kAmGetReq, hdr.data(), hdr.size(), nullptr, 0, &p));
+  }
+  // Sends a kAmPut as an initiator would (header: AmHeader, segments; then the bytes).
+  void Put(ucp_ep_h ep, AmHeader h, const std::vector<WireSeg>& segs, std::vector<std::byte> payload) {
+    h.num_segs = static_cast<uint32_t>(segs.size());
+    std::string hdr(sizeof(h) + segs.size() * sizeof(WireSeg), '\0');
+    std::memcpy(hdr.data(), &h, sizeof(h));
+    std::memcpy(hdr.data() + sizeof(h), segs.data(), segs.size() * sizeof(WireSeg));
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+    Wait(ucp_am_send_nbx(ep, kAmPut, hdr.data(), hdr.size(), payload.data(), payload.size(), &p));
   }
   const std::string& address() const { return address_; }
   std::vector<std::pair<ucp_ep_h, AmHeader>> requests_;
@@ -766,6 +779,82 @@ TEST_P(TransportTest, RepliesCountOnlyFromTheBatchsPeerAndOncePerMessage) {
   peer.Reply(reply_ep3, h3.batch_id, h3.part, {}, kAmPutAck);
   s = peer.Await(f3);
   EXPECT_FALSE(s.ok()) << "a get completed by a put ack";
+}
+
+// An owner keeps a record per put answered once (AmHeader::num_parts > 1) until its last
+// message lands, with a bit per message: their sum is bounded. A peer sending
+// header-only messages that each name 2^20 parts used to grow the owner by 128 KiB per
+// 24-byte message for five minutes; past the bound such a put is refused
+// RESOURCE_EXHAUSTED, and puts answered per message are still served.
+TEST_P(TransportTest, OwnerBoundsTheRecordsOfPutsUnderWay) {
+  if (std::string(GetParam().tls) != "tcp") GTEST_SKIP() << "the raw UCX test peer connects over tcp; this mode's workers have shared memory only";
+  RawAmPeer peer;
+  ucp_ep_h ep = peer.Connect(owner_->address());
+  constexpr uint32_t kParts = 1u << 20;  // the most one batch may have
+  constexpr int kFit = (1 << 24) / kParts;  // records the bound holds
+  auto responses = [&](size_t want) {
+    for (int i = 0; i < 5000 && peer.responses_.size() < want; ++i) peer.Progress(absl::Milliseconds(1));
+    return peer.responses_.size();
+  };
+  for (int i = 0; i < kFit; ++i) {
+    AmHeader h{};
+    h.batch_id = 1000 + i;
+    h.part = 0;
+    h.num_parts = kParts;
+    peer.Put(ep, h, {}, {});
+  }
+  AmHeader over{};
+  over.batch_id = 5000;
+  over.part = 0;
+  over.num_parts = kParts;
+  peer.Put(ep, over, {}, {});
+  ASSERT_EQ(responses(1), 1u) << "the put past the bound is answered (the others wait for their messages)";
+  EXPECT_EQ(peer.responses_[0].first.batch_id, 5000u);
+  EXPECT_EQ(peer.responses_[0].first.status, static_cast<uint32_t>(absl::StatusCode::kResourceExhausted));
+  // A one-message put (no record) still lands and is acknowledged.
+  peer.responses_.clear();
+  AmHeader one{};
+  one.batch_id = 6000;
+  one.part = 0;
+  peer.Put(ep, one, {WireSeg{remote_.arena_id, 0, 0, 64}}, std::vector<std::byte>(64, std::byte{0x42}));
+  ASSERT_EQ(responses(1), 1u);
+  EXPECT_EQ(peer.responses_[0].first.batch_id, 6000u);
+  EXPECT_EQ(peer.responses_[0].first.status, 0u);
+  const std::byte* owner_bytes = owner_arena_->base();
+  EXPECT_EQ(std::count(owner_bytes, owner_bytes + 64, std::byte{0x42}), 64);
+}
+
+// Once a put answered once is refused (its initiator told the batch failed), its later
+// messages are received and dropped: none of their bytes reach the owner's arena.
+TEST_P(TransportTest, LaterMessagesOfARefusedPutAreDropped) {
+  if (std::string(GetParam().tls) != "tcp") GTEST_SKIP() << "the raw UCX test peer connects over tcp; this mode's workers have shared memory only";
+  RawAmPeer peer;
+  ucp_ep_h ep = peer.Connect(owner_->address());
+  std::byte* owner_bytes = owner_arena_->base();
+  std::memset(owner_bytes, 0, 2 * kOwnerPage);
+  AmHeader h{};
+  h.batch_id = 7000;
+  h.num_parts = 3;
+  h.part = 0;  // names a segment far outside the arena: refused
+  peer.Put(ep, h, {WireSeg{remote_.arena_id, 0, uint64_t{1} << 40, 64}}, std::vector<std::byte>(64, std::byte{0x77}));
+  for (uint32_t part : {1u, 2u}) {  // valid segments: pages 0 and 1
+    h.part = part;
+    peer.Put(ep, h, {WireSeg{remote_.arena_id, 0, (part - 1) * kOwnerPage, 64}},
+             std::vector<std::byte>(64, std::byte{0x77}));
+  }
+  // A one-message put after them on the same endpoint: its ack comes once the owner
+  // handled the messages before it (in order).
+  AmHeader marker{};
+  marker.batch_id = 7001;
+  peer.Put(ep, marker, {WireSeg{remote_.arena_id, 0, 4 * kOwnerPage, 8}}, std::vector<std::byte>(8, std::byte{1}));
+  for (int i = 0; i < 5000 && peer.responses_.size() < 2; ++i) peer.Progress(absl::Milliseconds(1));
+  ASSERT_EQ(peer.responses_.size(), 2u);
+  EXPECT_EQ(peer.responses_[0].first.batch_id, 7000u);
+  EXPECT_EQ(peer.responses_[0].first.part, 0u);
+  EXPECT_NE(peer.responses_[0].first.status, 0u);
+  EXPECT_EQ(peer.responses_[1].first.batch_id, 7001u);
+  EXPECT_EQ(peer.responses_[1].first.status, 0u);
+  EXPECT_EQ(std::count(owner_bytes, owner_bytes + 2 * kOwnerPage, std::byte{0x77}), 0);
 }
 
 // A get request that asks for several messages is answered per message; one whose

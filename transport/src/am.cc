@@ -214,7 +214,24 @@ void WorkerImpl::PutPartDone(ucp_ep_h reply_ep, const AmHeader& h, const absl::S
                               bool reply, std::optional<uint32_t> bad_seg) {
   auto [it, fresh] = pending_puts_.try_emplace(std::make_pair(reply_ep, h.batch_id));
   PendingPut& pp = it->second;
-  if (fresh) pp.seen.assign(h.num_parts, false);
+  if (fresh) {
+    // Each record holds a bit per message of its batch, for up to kPendingPutTtl: bound
+    // their sum, or header-only messages naming 2^20 parts each would grow the owner
+    // by 128 KiB per 24-byte message.
+    if (pending_put_parts_ + h.num_parts > kMaxPendingPutParts) {
+      pending_puts_.erase(it);
+      if (reply) {
+        SendOwnerReply(reply_ep, kAmPutAck, h.batch_id, h.part,
+                       absl::ResourceExhaustedError(absl::StrCat(
+                           "the owner tracks ", pending_put_parts_, " messages of puts under way (at most ",
+                           kMaxPendingPutParts, "); retry once they landed"))
+                       , {}, {});
+      }
+      return;
+    }
+    pp.seen.assign(h.num_parts, false);
+    pending_put_parts_ += h.num_parts;
+  }
   pp.last = MonotonicNow();
   absl::Status st = status;
   if (st.ok() && (h.num_parts != pp.seen.size() || h.part >= pp.seen.size() || pp.seen[h.part])) {
@@ -234,6 +251,7 @@ void WorkerImpl::PutPartDone(ucp_ep_h reply_ep, const AmHeader& h, const absl::S
     SendOwnerReply(reply_ep, kAmPutAck, h.batch_id, static_cast<uint32_t>(pp.seen.size()),
                    absl::OkStatus(), {}, {});
   }
+  pending_put_parts_ -= pp.seen.size();
   pending_puts_.erase(it);
 }
 
@@ -241,7 +259,11 @@ void WorkerImpl::SweepPendingPuts() {
   const absl::Time now = MonotonicNow();
   if (now < next_pending_sweep_) return;
   next_pending_sweep_ = now + absl::Seconds(1);
-  absl::erase_if(pending_puts_, [&](const auto& e) { return now - e.second.last > kPendingPutTtl; });
+  absl::erase_if(pending_puts_, [&](const auto& e) {
+    if (now - e.second.last <= kPendingPutTtl) return false;
+    pending_put_parts_ -= e.second.seen.size();
+    return true;
+  });
 }
 
 void WorkerImpl::ServeGet(ucp_ep_h reply_ep, const AmHeader& h, const void* header,
@@ -326,6 +348,15 @@ ucs_status_t WorkerImpl::OnAm(unsigned id, const void* header, size_t header_len
       SendOwnerReply(reply_ep, kAmPutAck, h.batch_id, h.part, st, {}, {}, bad);
     }
     return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
+  }
+  if (one_reply) {
+    // A batch already refused (its initiator was told it failed): later messages are
+    // received and dropped, not written into the arena.
+    auto it = pending_puts_.find(std::make_pair(reply_ep, h.batch_id));
+    if (it != pending_puts_.end() && it->second.refused) {
+      PutPartDone(reply_ep, h, absl::OkStatus());
+      return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
+    }
   }
   if (!rndv) {
     CopyIn(iov, data);

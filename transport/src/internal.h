@@ -264,7 +264,8 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
 
   // Runs fn on the progress thread (returns false when shut down).
   bool Post(std::function<void()> fn);
-  // Runs fn on the progress thread and waits for it.
+  // Runs fn on the calling thread under ucx_mu_ (the progress thread backs off meanwhile),
+  // then the callbacks of batches that completed (BatchCallback).
   absl::Status RunSync(std::function<absl::Status()> fn);
 
   absl::StatusOr<std::shared_ptr<Arena>> Register(std::byte* base, uint64_t size,
@@ -430,6 +431,10 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   absl::flat_hash_map<std::pair<ucp_ep_h, uint64_t>, PendingPut> pending_puts_;
   absl::Time next_pending_sweep_ = absl::InfinitePast();
   static constexpr absl::Duration kPendingPutTtl = absl::Minutes(5);
+  // Messages (bits of `seen`) of all pending_puts_ together, and their bound (2 MiB of
+  // bits; a put past it is refused RESOURCE_EXHAUSTED).
+  uint64_t pending_put_parts_ = 0;
+  static constexpr uint64_t kMaxPendingPutParts = uint64_t{1} << 24;
   // Imports replaced by a re-import or of closed endpoints, under ucx_mu_ (like every
   // rkey). Only batches can hold another reference to them, and batches are freed under
   // ucx_mu_ too: one whose use_count() is 1 is unused and is destroyed by SweepRkeys.

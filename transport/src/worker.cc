@@ -431,6 +431,7 @@ bool WorkerImpl::ProgressFromCaller() {
       ReapClosedEndpoints();
       if (!batches_.empty()) CheckDeadlines();
       if (!retired_.empty()) SweepRkeys();
+      if (!pending_puts_.empty()) SweepPendingPuts();
       ready.swap(ready_);  // taken here rather than under a second lock in RunCallbacks
     }
     external_progress_ns_.store(MonoNanos(), std::memory_order_relaxed);
@@ -839,9 +840,10 @@ void WorkerImpl::CloseEndpoint(std::shared_ptr<EndpointImpl> ep) {
 }
 
 void WorkerImpl::OnEpError(EndpointImpl* ep, ucs_status_t status) {
-  absl::Status s = FromUcs(status, absl::StrCat("peer ", ep->name_, " failed"));
+  const std::string peer = ep->name_.empty() ? std::string("(unnamed endpoint)") : absl::StrCat("'", ep->name_, "'");
+  absl::Status s = FromUcs(status, absl::StrCat("peer ", peer, " failed"));
   if (s.ok() || s.code() == absl::StatusCode::kCancelled) {
-    s = absl::UnavailableError(absl::StrCat("peer ", ep->name_, " failed"));
+    s = absl::UnavailableError(absl::StrCat("peer ", peer, " failed"));
   } else if (s.code() != absl::StatusCode::kUnavailable) {
     s = absl::UnavailableError(s.message());
   }

@@ -161,9 +161,11 @@ struct TransferOp {
 
 // Called exactly once per batch: on the worker's progress thread, or on the submitting
 // thread before PutAsync/GetAsync returns when the batch completes inline (CMA moves the
-// bytes inside the call). Never with a transport lock held, so it may submit again; keep
-// it short (it delays other completions) and do not take a lock the submitter holds
-// around PutAsync/GetAsync.
+// bytes inside the call). A thread that drives the worker itself runs the callbacks of
+// batches that completed meanwhile, whichever thread submitted them: Worker::Progress,
+// Connect, ImportArena, and destroying an Endpoint (which fails its batches) do. Never
+// with a transport lock held, so it may submit again; keep it short (it delays other
+// completions) and do not take a lock that a thread holds around any of these calls.
 using BatchCallback = std::function<void(absl::Status)>;
 
 // Optional: sees the local bytes of each op of a batch (for Put the source, for Get the
@@ -289,8 +291,9 @@ class Worker {
   // REQUIRES: size a positive multiple of page_bytes; memory outlives the Arena.
   absl::StatusOr<std::shared_ptr<Arena>> RegisterArena(std::span<std::byte> memory,
                                                        uint64_t page_bytes);
-  // Lets UCX allocate and register (UCX_ALLOC_PRIO: sysv / posix shared memory first).
-  // Prefer it to RegisterArena: peers on the same host then map the arena and put/get
+  // Allocates the arena as a SysV shared-memory segment of its own (2 MiB pages where
+  // the kernel can; see README "2 MiB pages") and registers it, falling back to UCX's
+  // allocation. Prefer it to RegisterArena: peers on the same host then map the arena and put/get
   // are one-sided memcpy; for registered caller memory UCX 1.13 emulates shared-memory
   // RMA with messages the owner must answer (orders of magnitude slower).
   absl::StatusOr<std::shared_ptr<Arena>> AllocateArena(uint64_t size, uint64_t page_bytes);
