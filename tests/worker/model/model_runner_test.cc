@@ -24,6 +24,15 @@ class RunnerTest : public ::testing::TestWithParam<const char*> {
   int block() const { return GetPreset(preset())->block_tokens; }
   // A shared prefix of 2 blocks and a few tokens (short: the tests stay quick).
   std::vector<TokenId> Prefix() const { return Tokens(2 * block(), 11); }
+  // A runner with `changed` options gives the default runner's output for the prefix
+  // and `extra` more tokens (4 generated).
+  void ExpectSameOutputWith(const RunnerOptions& changed, int extra) {
+    auto a = MakeRunner(preset());
+    auto b = MakeRunner(preset(), changed);
+    ASSERT_TRUE(a && b);
+    const auto prompt = Concat(Prefix(), Tokens(5, extra));
+    EXPECT_SAME_OUTPUT(Gen(*a, prompt, 4), Gen(*b, prompt, 4));
+  }
 };
 
 TEST_P(RunnerTest, SameRequestSameOutputInAnotherRunner) {
@@ -48,11 +57,16 @@ TEST_P(RunnerTest, SameRequestSameOutputInAnotherRunner) {
 TEST_P(RunnerTest, KernelThreadCountDoesNotChangeTheOutput) {
   RunnerOptions two;
   two.num_threads = 2;
-  auto a = MakeRunner(preset());
-  auto b = MakeRunner(preset(), two);
-  ASSERT_TRUE(a && b);
-  const auto prompt = Concat(Prefix(), Tokens(5, 8));
-  EXPECT_SAME_OUTPUT(Gen(*a, prompt, 4), Gen(*b, prompt, 4));
+  ExpectSameOutputWith(two, 8);
+}
+
+// A forward pass builds its attention block table in chunks of rows (a long prefill's
+// table grows with the square of its length): the chunking does not change the output.
+// 8 entries: chunks of a few rows, down to one row once rows are 8 blocks wide.
+TEST_P(RunnerTest, AttentionTableChunksDoNotChangeTheOutput) {
+  RunnerOptions small;
+  small.max_table_entries = 8;
+  ExpectSameOutputWith(small, 40);
 }
 
 TEST_P(RunnerTest, PrefixHitEqualsRecompute) {

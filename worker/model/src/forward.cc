@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -116,24 +117,47 @@ absl::Status ModelRunner::RunForward(std::vector<Segment>& segments) {
       arena_->ReadState(cache_->block_pool().RunPages(seg.seq->live_state), 0, slot);
     }
   }
-  // A kernel block table with one row per active position.
+  // A kernel block table with one row per active position, for the active rows
+  // act[first, first + count).
   std::vector<int32_t> table, seq_lens;
-  auto build_table = [&](const std::vector<size_t>& act, int32_t pages_per_block, int* max_blocks) {
+  auto blocks_of_row = [&](size_t r) { return static_cast<int>((rows[r].pos + 1 + bt - 1) / bt); };
+  auto build_table = [&](const std::vector<size_t>& act, size_t first, size_t count, int32_t pages_per_block,
+                         int* max_blocks) {
     *max_blocks = 1;
-    for (size_t r : act) {
-      *max_blocks = std::max<int>(*max_blocks, static_cast<int>((rows[r].pos + 1 + bt - 1) / bt));
-    }
-    table.assign(act.size() * static_cast<size_t>(*max_blocks), 0);
-    seq_lens.resize(act.size());
-    for (size_t i = 0; i < act.size(); ++i) {
-      const Row& row = rows[act[i]];
+    for (size_t i = first; i < first + count; ++i) *max_blocks = std::max(*max_blocks, blocks_of_row(act[i]));
+    table.assign(count * static_cast<size_t>(*max_blocks), 0);
+    seq_lens.resize(count);
+    for (size_t i = 0; i < count; ++i) {
+      const Row& row = rows[act[first + i]];
       const Segment& seg = segments[row.seg];
-      const int nb = static_cast<int>((row.pos + 1 + bt - 1) / bt);
+      const int nb = blocks_of_row(act[first + i]);
       for (int j = 0; j < nb; ++j) {
         table[i * *max_blocks + j] = seg.blocks[static_cast<size_t>(j)] * pages_per_block;
       }
       seq_lens[i] = static_cast<int32_t>(row.pos + 1);
     }
+  };
+  // Runs `launch(first, count, max_blocks)` over the active rows in chunks whose table
+  // stays within options_.max_table_entries: a table of every row of a long prefill
+  // grows with the square of its length (1M tokens: ~250 GB).
+  auto for_each_table_chunk = [&](const std::vector<size_t>& act, int32_t pages_per_block,
+                                  const std::function<absl::Status(size_t, size_t, int)>& launch) -> absl::Status {
+    const int64_t limit = std::max<int64_t>(1, options_.max_table_entries);
+    for (size_t first = 0; first < act.size();) {
+      size_t count = 0;
+      int64_t widest = 1;
+      while (first + count < act.size()) {
+        const int64_t w = std::max<int64_t>(widest, blocks_of_row(act[first + count]));
+        if (count > 0 && static_cast<int64_t>(count + 1) * w > limit) break;
+        widest = w;
+        ++count;
+      }
+      int max_blocks = 0;
+      build_table(act, first, count, pages_per_block, &max_blocks);
+      RETURN_IF_ERROR(launch(first, count, max_blocks));
+      first += count;
+    }
+    return absl::OkStatus();
   };
   int kda_index = 0;
   std::vector<size_t> act;
@@ -179,15 +203,15 @@ absl::Status ModelRunner::RunForward(std::vector<Segment>& segments) {
           Store(arena_->GqaK(block_of(r), sec, slot), kv_dtype, &k[i * kd], kd);
           Store(arena_->GqaV(block_of(r), sec, slot), kv_dtype, &v[i * kd], kd);
         }
-        int max_blocks = 0;
-        build_table(act, sec.pages_per_block, &max_blocks);
-        kernels::GqaDecodeParams p;
-        p.q = q.data();
-        p.out = out.data();
-        p.kv = arena_->GqaView(sec);
-        p.table = {table.data(), seq_lens.data(), static_cast<int>(A), max_blocks};
-        p.num_q_heads = g.num_q_heads;
-        RETURN_IF_ERROR(backend_->GqaDecode(p));
+        RETURN_IF_ERROR(for_each_table_chunk(act, sec.pages_per_block, [&](size_t first, size_t count, int max_blocks) {
+          kernels::GqaDecodeParams p;
+          p.q = q.data() + first * qd;
+          p.out = out.data() + first * qd;
+          p.kv = arena_->GqaView(sec);
+          p.table = {table.data(), seq_lens.data(), static_cast<int>(count), max_blocks};
+          p.num_q_heads = g.num_q_heads;
+          return backend_->GqaDecode(p);
+        }));
         MatMul(lw.gqa.wo, out.data(), A, ya.data());
         add_branch(act);
         break;
@@ -228,16 +252,16 @@ absl::Status ModelRunner::RunForward(std::vector<Segment>& segments) {
                         m.rope_dim * sizeof(float));
           }
         }
-        int max_blocks = 0;
-        build_table(act, sec.pages_per_block, &max_blocks);
-        kernels::MlaDecodeParams p;
-        p.q = qabs.data();
-        p.out = out.data();
-        p.kv = arena_->MlaView(sec);
-        p.table = {table.data(), seq_lens.data(), static_cast<int>(A), max_blocks};
-        p.num_heads = nh;
-        p.scale = 1.f / std::sqrt(static_cast<float>(m.qk_nope_dim + m.rope_dim));
-        RETURN_IF_ERROR(backend_->MlaDecodeAbsorbed(p));
+        RETURN_IF_ERROR(for_each_table_chunk(act, sec.pages_per_block, [&](size_t first, size_t count, int max_blocks) {
+          kernels::MlaDecodeParams p;
+          p.q = qabs.data() + first * nh * E;
+          p.out = out.data() + first * nh * R;
+          p.kv = arena_->MlaView(sec);
+          p.table = {table.data(), seq_lens.data(), static_cast<int>(count), max_blocks};
+          p.num_heads = nh;
+          p.scale = 1.f / std::sqrt(static_cast<float>(m.qk_nope_dim + m.rope_dim));
+          return backend_->MlaDecodeAbsorbed(p);
+        }));
         // v_h = W_UV_h o_h: a dot product per output, j ascending.
         for (size_t i = 0; i < A; ++i) {
           for (int h = 0; h < nh; ++h) {

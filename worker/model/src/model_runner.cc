@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <new>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -383,7 +384,18 @@ absl::StatusOr<std::vector<SequenceId>> ModelRunner::StepOnce() {
   // 3. One batched forward pass.
   if (!segments.empty()) {
     if (options_.forward_fault) RETURN_IF_ERROR(options_.forward_fault());
-    RETURN_IF_ERROR(RunForward(segments));
+    // The pass's own buffers (activations, block tables) are heap vectors: running out
+    // of memory fails the step (as a kernel's scratch does), not the process.
+    absl::Status forward;
+    try {
+      forward = RunForward(segments);
+    } catch (const std::bad_alloc&) {
+      int64_t tokens = 0;
+      for (const Segment& seg : segments) tokens += seg.end - seg.start;
+      forward = absl::ResourceExhaustedError(absl::StrCat(
+          "out of host memory in a forward pass of ", tokens, " positions over ", segments.size(), " sequences"));
+    }
+    RETURN_IF_ERROR(forward);
     for (const Segment& seg : segments) last_step_tokens_ += seg.end - seg.start;
   }
   for (Segment& seg : segments) {

@@ -80,6 +80,11 @@ struct RunnerOptions {
   // Fault injection (tests): called before each batched forward pass; an error fails
   // that step as a kernel failure would (after the step allocated and cached its pages).
   std::function<absl::Status()> forward_fault;
+  // Entries of the attention block table a forward pass builds at once (one row per
+  // position computed, as wide as its longest row): a long prefill's attention runs in
+  // as many chunks of rows as this bound needs (one row per chunk at least). Results do
+  // not depend on it; tests lower it to make chunks.
+  int64_t max_table_entries = int64_t{1} << 22;
 };
 
 struct GenerateRequest {
