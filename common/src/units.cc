@@ -111,6 +111,23 @@ absl::StatusOr<double> ParseNumber(absl::string_view text, absl::string_view fie
   return v * mult;
 }
 
+namespace {
+absl::StatusOr<double> InRange(absl::StatusOr<double> v, absl::string_view text, absl::string_view field,
+                               double lo, double hi) {
+  if (!v.ok() || (*v >= lo && *v <= hi)) return v;
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, "='", text, "' is outside ", absl::SixDigits(lo), "..", absl::SixDigits(hi)));
+}
+}  // namespace
+
+absl::StatusOr<double> ParseRateIn(absl::string_view text, absl::string_view field, double lo, double hi) {
+  return InRange(ParseRate(text, field), text, field, lo, hi);
+}
+
+absl::StatusOr<double> ParseNumberIn(absl::string_view text, absl::string_view field, double lo, double hi) {
+  return InRange(ParseNumber(text, field), text, field, lo, hi);
+}
+
 std::string FormatBytes(double bytes) {
   static constexpr const char* kNames[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
   int i = 0;

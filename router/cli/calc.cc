@@ -231,14 +231,13 @@ void RunTtft(const TtftArgs& a, Io& io) {
   if (!tier.ok()) return Fail(io, absl::InvalidArgumentError(absl::StrCat("--tier: ", tier.status().message())));
   CostModel cm;
   if (!a.flops.empty()) {
-    auto f = ParseNumber(a.flops, "--flops");
+    auto f = ParseNumberIn(a.flops, "--flops", kMinFlops, kMaxFlops);
     if (!f.ok()) return Fail(io, f.status());
-    if (!(*f > 0)) return Fail(io, absl::InvalidArgumentError(absl::StrCat("--flops=", a.flops, " must be > 0 FLOP/s")));
     cm.achieved_flops = *f;
   }
   double bw = DefaultBandwidth(*tier);
   if (!a.bandwidth.empty()) {
-    auto b = ParseRate(a.bandwidth, "--bandwidth");
+    auto b = ParseRateIn(a.bandwidth, "--bandwidth", kMinBandwidth, kMaxBandwidth);
     if (!b.ok()) return Fail(io, b.status());
     bw = *b;
   }

@@ -159,12 +159,12 @@ void RunSimulate(SimulateArgs& a, Io& io) {
     io.exit_code = code;
   };
   if (!a.flops.empty()) {
-    auto f = ParseNumber(a.flops, "--flops");
+    auto f = ParseNumberIn(a.flops, "--flops", kMinFlops, kMaxFlops);
     if (!f.ok()) return fail(f.status(), 2);
     a.sim.achieved_flops = *f;
   }
   if (!a.pool_bandwidth.empty()) {
-    auto b = ParseRate(a.pool_bandwidth, "--pool-bandwidth");
+    auto b = ParseRateIn(a.pool_bandwidth, "--pool-bandwidth", kMinBandwidth, kMaxBandwidth);
     if (!b.ok()) return fail(b.status(), 2);
     a.sim.pool_bandwidth = *b;
   }

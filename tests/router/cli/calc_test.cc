@@ -147,6 +147,15 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{{"calc", "ttft", "--model", "llama-3.3-70b", "--context", "10", "--hit", "0.5",
                  "--bandwidth", "0"},
                 "--bandwidth"},
+        // Positive but absurd: the figures overflowed to inf / NaN.
+        BadCase{{"calc", "ttft", "--model", "llama-3.3-70b", "--context", "10", "--hit", "0.5",
+                 "--flops", "1e-300"},
+                "--flops"},
+        BadCase{{"calc", "ttft", "--model", "llama-3.3-70b", "--context", "10", "--hit", "0.5",
+                 "--bandwidth", "1e-300"},
+                "--bandwidth"},
+        BadCase{{"simulate", "--trace", "unread.jsonl", "--flops", "1e-300"}, "--flops"},
+        BadCase{{"simulate", "--trace", "unread.jsonl", "--pool-bandwidth", "1e300"}, "--pool-bandwidth"},
         BadCase{{"calc", "ttft", "--context", "10", "--hit", "0.5"}, "--model"}));
 
 TEST(KvctlTest, NoSubcommandIsAnError) {

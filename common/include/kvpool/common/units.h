@@ -19,6 +19,10 @@ absl::StatusOr<uint64_t> ParseBytes(absl::string_view text, absl::string_view fi
 absl::StatusOr<double> ParseRate(absl::string_view text, absl::string_view field);
 // A plain finite number, with SI suffixes k, M, G, T, P (e.g. "400T" FLOP/s).
 absl::StatusOr<double> ParseNumber(absl::string_view text, absl::string_view field);
+// The same, limited to [lo, hi] (e.g. what a cost model's arithmetic takes without
+// overflowing to inf or NaN); the error names the field and the range.
+absl::StatusOr<double> ParseRateIn(absl::string_view text, absl::string_view field, double lo, double hi);
+absl::StatusOr<double> ParseNumberIn(absl::string_view text, absl::string_view field, double lo, double hi);
 
 std::string FormatBytes(double bytes);        // binary units: "3.0 MiB"
 std::string FormatRate(double bytes_per_s);   // decimal units: "64.0 GB/s"
