@@ -455,6 +455,41 @@ TEST(WorkerService, AFailedStepTakesTheWorkerOutOfService) {
   EXPECT_NE(after.status().message().find("injected kernel failure"), absl::string_view::npos) << after.status();
 }
 
+// Requests beyond --max-queued-requests (queued or running) are refused
+// RESOURCE_EXHAUSTED at once, and served again once the worker has room; a prompt larger
+// than --max-queued-tokens can never be queued: INVALID_ARGUMENT naming tokens.
+TEST(WorkerService, RequestsBeyondTheQueueBoundAreRefused) {
+  Cluster cl("queue-bound");
+  std::atomic<bool> hold{true};
+  std::atomic<int> forwards{0};
+  WorkerConfig wc;
+  wc.max_queued_requests = 1;
+  wc.max_queued_tokens = 64;
+  wc.forward_fault = [&]() -> absl::Status {
+    ++forwards;
+    while (hold) std::this_thread::sleep_for(std::chrono::milliseconds(1));  // the first request runs long
+    return absl::OkStatus();
+  };
+  Client w(cl.StartWorker(wc));
+  std::mt19937 rng(5);
+  absl::StatusOr<Answer> first;
+  std::thread t([&] { first = w.Generate(RandomTokens(rng, 20, 512), 1); });
+  while (forwards == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::mt19937 rng2(6);
+  auto refused = w.Generate(RandomTokens(rng2, 20, 512), 1);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_NE(refused.status().message().find("--max-queued-requests"), absl::string_view::npos) << refused.status();
+  hold = false;
+  t.join();
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_TRUE(w.Generate(RandomTokens(rng2, 20, 512), 1).ok());  // room again
+  auto too_long = w.Generate(RandomTokens(rng2, 100, 512), 1);
+  ASSERT_FALSE(too_long.ok());
+  EXPECT_EQ(too_long.status().code(), absl::StatusCode::kInvalidArgument) << too_long.status();
+  EXPECT_NE(too_long.status().message().find("tokens"), absl::string_view::npos) << too_long.status();
+}
+
 TEST(WorkerService, BadRequestsNameTheField) {
   Cluster cl("bad");
   WorkerConfig c;

@@ -156,6 +156,7 @@ absl::Status Engine::Submit(EngineRequest request, EngineDone done) {
   p->req = std::move(request);
   p->done = std::move(done);
   p->arrived = MonotonicNow();
+  p->counted_tokens = static_cast<int64_t>(p->req.tokens.size());
   absl::MutexLock l(&mu_);
   if (stop_ || !started_) return absl::UnavailableError("the worker is shutting down; send the request elsewhere");
   if (!out_of_service_.ok()) {
@@ -163,6 +164,20 @@ absl::Status Engine::Submit(EngineRequest request, EngineDone done) {
                                                " is out of service after a failed engine step (",
                                                out_of_service_.message(), "); send the request elsewhere and restart it"));
   }
+  if (p->counted_tokens > cfg_.max_queued_prompt_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("tokens: a prompt of ", p->counted_tokens,
+                                                   " tokens is more than this worker queues at all (",
+                                                   cfg_.max_queued_prompt_tokens, ", --max-queued-tokens)"));
+  }
+  if (in_engine_requests_ >= cfg_.max_queued_requests ||
+      in_engine_tokens_ + p->counted_tokens > cfg_.max_queued_prompt_tokens) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "worker ", cfg_.instance_id, " holds ", in_engine_requests_, " requests of ", in_engine_tokens_,
+        " prompt tokens (at most ", cfg_.max_queued_requests, " / ", cfg_.max_queued_prompt_tokens,
+        ", --max-queued-requests / --max-queued-tokens); retry later or elsewhere"));
+  }
+  ++in_engine_requests_;
+  in_engine_tokens_ += p->counted_tokens;
   queue_.push_back(std::move(p));
   return absl::OkStatus();
 }
@@ -240,6 +255,11 @@ void Engine::ReleaseDecision(Pending& p) {
 }
 
 void Engine::Answer(Pending& p, absl::StatusOr<v1::GenerateResponse> r) {
+  {
+    absl::MutexLock l(&mu_);
+    --in_engine_requests_;
+    in_engine_tokens_ -= p.counted_tokens;
+  }
   ReleaseDecision(p);
   if (!r.ok()) m_failed_->Increment();
   p.done(std::move(r));

@@ -59,6 +59,11 @@ struct EngineConfig {
   FetchMode fetch = FetchMode::kAuto;
   int pool_rpc_timeout_ms = 2000;
   int pool_transfer_timeout_ms = 10'000;
+  // Requests in the engine (queued or running) and their prompt tokens, at most: Submit
+  // refuses more with RESOURCE_EXHAUSTED (a client retries later or elsewhere) instead
+  // of queueing without bound.
+  int64_t max_queued_requests = 4096;
+  int64_t max_queued_prompt_tokens = int64_t{1} << 26;
 };
 
 struct EngineRequest {
@@ -95,7 +100,8 @@ class Engine : public cache::KvEventSink {
   // Fails every queued and running request with UNAVAILABLE and joins the thread.
   void Stop();
   // Queues a request; `done` runs on the engine thread when it finishes or fails.
-  // INVALID_ARGUMENT (naming the field) or UNAVAILABLE (stopped) come back directly.
+  // INVALID_ARGUMENT (naming the field), UNAVAILABLE (stopped, out of service) or
+  // RESOURCE_EXHAUSTED (max_queued_requests / max_queued_prompt_tokens) come back directly.
   absl::Status Submit(EngineRequest request, EngineDone done);
 
   v1::WorkerStats Stats() const;
@@ -149,6 +155,7 @@ class Engine : public cache::KvEventSink {
     int64_t pool_tokens = 0;   // prompt tokens fetched from pool nodes (after local_tokens)
     bool started = false;
     bool decision_released = false;  // CompleteDecision sent (prefill done, or failed)
+    int64_t counted_tokens = 0;      // in in_engine_tokens_ until answered
     bool Cancelled() const { return req.cancelled != nullptr && req.cancelled->load(std::memory_order_relaxed); }
   };
   struct MirrorEntry {
@@ -210,6 +217,8 @@ class Engine : public cache::KvEventSink {
   uint64_t next_accounting_id_ = 1;
 
   mutable absl::Mutex mu_;
+  int64_t in_engine_requests_ ABSL_GUARDED_BY(mu_) = 0;  // submitted, not yet answered
+  int64_t in_engine_tokens_ ABSL_GUARDED_BY(mu_) = 0;    // their prompt tokens
   absl::Status out_of_service_ ABSL_GUARDED_BY(mu_);
   std::function<void(const absl::Status&)> on_out_of_service_ ABSL_GUARDED_BY(mu_);
   std::deque<std::unique_ptr<Pending>> queue_ ABSL_GUARDED_BY(mu_);

@@ -176,6 +176,12 @@ absl::StatusOr<WorkerConfig> ParseWorkerFlags(int argc, char** argv) {
       ->check(CLI::Range(100, 600000));
   app.add_option("--metrics-port", cfg.metrics_port, "Prometheus /metrics port (0: any, -1: off)");
   app.add_option("--threads", cfg.threads, "kernel threads (results do not depend on it)")->check(CLI::Range(1, 256));
+  app.add_option("--max-queued-requests", cfg.max_queued_requests,
+                 "requests queued or running at once; more get RESOURCE_EXHAUSTED")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  app.add_option("--max-queued-tokens", cfg.max_queued_tokens,
+                 "prompt tokens of the requests queued or running; more get RESOURCE_EXHAUSTED")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 36));
   kvpool::RequireDecimalIntegers(app);
   try {
     app.parse(argc, argv);
@@ -265,6 +271,8 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerConfig c
   ec.fetch = fetch;
   ec.pool_rpc_timeout_ms = s.cfg.pool_rpc_timeout_ms;
   ec.pool_transfer_timeout_ms = s.cfg.pool_transfer_timeout_ms;
+  ec.max_queued_requests = s.cfg.max_queued_requests;
+  ec.max_queued_prompt_tokens = s.cfg.max_queued_tokens;
   // The instance id needs the port when it is defaulted; parse it from --listen.
   if (s.cfg.instance_id.empty()) {
     const size_t c = s.cfg.listen.rfind(':');

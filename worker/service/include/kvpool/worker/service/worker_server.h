@@ -36,6 +36,10 @@ struct WorkerConfig {
   int pool_transfer_timeout_ms = 10'000;  // a hung pool transfer stalls the engine this long at most
   int metrics_port = -1;             // 0: any free port, -1: off
   int threads = 1;                   // kernel threads
+  // Requests in the worker (queued or running) and their prompt tokens, at most; more
+  // are refused RESOURCE_EXHAUSTED.
+  int64_t max_queued_requests = 4096;
+  int64_t max_queued_tokens = int64_t{1} << 26;
   // Fault injection (tests): model::RunnerOptions::forward_fault.
   std::function<absl::Status()> forward_fault;
 };
