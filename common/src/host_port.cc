@@ -58,6 +58,13 @@ absl::Status CheckDialAddress(absl::string_view flag, absl::string_view value) {
                                                  "; give host:port, e.g. 10.0.0.5:50051"));
 }
 
+absl::Status CheckDialTarget(absl::string_view flag, absl::string_view value) {
+  for (absl::string_view scheme : {"unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:"}) {
+    if (absl::StartsWith(value, scheme) && value.size() > scheme.size()) return absl::OkStatus();
+  }
+  return CheckDialAddress(flag, value);
+}
+
 bool IsUnixSocketAddress(absl::string_view address) {
   return absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:");
 }
@@ -87,7 +94,7 @@ absl::Status CheckServiceFlags(const ServiceFlags& f) {
     if (absl::Status s = CheckDialAddress("--advertise", f.advertise); !s.ok()) return s;
   }
   if (!f.router.empty()) {
-    if (absl::Status s = CheckDialAddress("--router", f.router); !s.ok()) return s;
+    if (absl::Status s = CheckDialTarget("--router", f.router); !s.ok()) return s;
     if (IsUnixSocketAddress(f.listen) && f.advertise.empty()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--listen='", f.listen.substr(0, 128), "' is a Unix socket, which the router cannot hand to "

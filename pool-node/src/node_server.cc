@@ -163,7 +163,7 @@ absl::StatusOr<std::unique_ptr<NodeServer>> NodeServer::Start(NodeConfig config)
   s.cfg = std::move(config);
   PoolOptions& po = s.cfg.pool;
   // Without --node-id the node is named pool-<port> once the port is bound (below).
-  const bool default_id = !s.cfg.node_id_given && (po.node_id.empty() || po.node_id == PoolOptions{}.node_id);
+  const bool default_id = po.node_id.empty() || (!s.cfg.node_id_given && po.node_id == PoolOptions{}.node_id);
   RETURN_IF_ERROR(CheckServiceFlags({.listen = s.cfg.listen,
                                      .advertise = s.cfg.advertise,
                                      .router = s.cfg.router,

@@ -73,6 +73,12 @@ TEST(HostPort, ServiceFlags) {
   f = ok;
   f.router = "router";
   refused(f, "--router");
+  for (const char* target : {"unix:/run/kvpool-router.sock", "dns:///router.kvpool:50051", "ipv4:10.0.0.1:50051"}) {
+    f.router = target;  // gRPC targets this process dials itself
+    EXPECT_TRUE(CheckServiceFlags(f).ok()) << target;
+  }
+  f.router = "dns:";
+  refused(f, "--router");
   f = ok;
   f.id = "a b";
   refused(f, "--node-id");

@@ -803,11 +803,17 @@ TEST_P(TransportTest, OwnerBoundsTheRecordsOfPutsUnderWay) {
     h.num_parts = kParts;
     peer.Put(ep, h, {}, {});
   }
+  // A put of three messages past the bound: refused once, and none of its bytes land.
+  std::byte* owner_bytes = owner_arena_->base();
+  std::memset(owner_bytes, 0, 4 * kOwnerPage);
   AmHeader over{};
   over.batch_id = 5000;
-  over.part = 0;
-  over.num_parts = kParts;
-  peer.Put(ep, over, {}, {});
+  over.num_parts = 3;
+  for (uint32_t part = 0; part < 3; ++part) {
+    over.part = part;
+    peer.Put(ep, over, {WireSeg{remote_.arena_id, 0, (part + 1) * kOwnerPage, 64}},
+             std::vector<std::byte>(64, std::byte{0x24}));
+  }
   ASSERT_EQ(responses(1), 1u) << "the put past the bound is answered (the others wait for their messages)";
   EXPECT_EQ(peer.responses_[0].first.batch_id, 5000u);
   EXPECT_EQ(peer.responses_[0].first.status, static_cast<uint32_t>(absl::StatusCode::kResourceExhausted));
@@ -817,11 +823,11 @@ TEST_P(TransportTest, OwnerBoundsTheRecordsOfPutsUnderWay) {
   one.batch_id = 6000;
   one.part = 0;
   peer.Put(ep, one, {WireSeg{remote_.arena_id, 0, 0, 64}}, std::vector<std::byte>(64, std::byte{0x42}));
-  ASSERT_EQ(responses(1), 1u);
+  ASSERT_EQ(responses(1), 1u) << "one answer: the ack (the refused put's later messages got none)";
   EXPECT_EQ(peer.responses_[0].first.batch_id, 6000u);
   EXPECT_EQ(peer.responses_[0].first.status, 0u);
-  const std::byte* owner_bytes = owner_arena_->base();
   EXPECT_EQ(std::count(owner_bytes, owner_bytes + 64, std::byte{0x42}), 64);
+  EXPECT_EQ(std::count(owner_bytes, owner_bytes + 4 * kOwnerPage, std::byte{0x24}), 0);
 }
 
 // Once a put answered once is refused (its initiator told the batch failed), its later

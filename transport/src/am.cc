@@ -214,25 +214,31 @@ void WorkerImpl::PutPartDone(ucp_ep_h reply_ep, const AmHeader& h, const absl::S
                               bool reply, std::optional<uint32_t> bad_seg) {
   auto [it, fresh] = pending_puts_.try_emplace(std::make_pair(reply_ep, h.batch_id));
   PendingPut& pp = it->second;
+  pp.last = MonotonicNow();
   if (fresh) {
+    pp.parts = h.num_parts;
     // Each record holds a bit per message of its batch, for up to kPendingPutTtl: bound
     // their sum, or header-only messages naming 2^20 parts each would grow the owner
-    // by 128 KiB per 24-byte message.
+    // by 128 KiB per 24-byte message. A batch past the bound is refused and kept as a
+    // tombstone (no bits) that drops its later messages until they all came.
     if (pending_put_parts_ + h.num_parts > kMaxPendingPutParts) {
-      pending_puts_.erase(it);
+      pp.refused = true;
       if (reply) {
         SendOwnerReply(reply_ep, kAmPutAck, h.batch_id, h.part,
                        absl::ResourceExhaustedError(absl::StrCat(
                            "the owner tracks ", pending_put_parts_, " messages of puts under way (at most ",
-                           kMaxPendingPutParts, "); retry once they landed"))
-                       , {}, {});
+                           kMaxPendingPutParts, "); retry once they landed")),
+                       {}, {});
       }
-      return;
+    } else {
+      pp.seen.assign(h.num_parts, false);
+      pending_put_parts_ += h.num_parts;
     }
-    pp.seen.assign(h.num_parts, false);
-    pending_put_parts_ += h.num_parts;
   }
-  pp.last = MonotonicNow();
+  if (pp.seen.empty()) {  // a tombstone: count the message, drop it
+    if (++pp.landed >= pp.parts) pending_puts_.erase(it);
+    return;
+  }
   absl::Status st = status;
   if (st.ok() && (h.num_parts != pp.seen.size() || h.part >= pp.seen.size() || pp.seen[h.part])) {
     st = absl::InvalidArgumentError(absl::StrCat("message ", h.part, " of ", h.num_parts,
@@ -350,10 +356,12 @@ ucs_status_t WorkerImpl::OnAm(unsigned id, const void* header, size_t header_len
     return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
   }
   if (one_reply) {
-    // A batch already refused (its initiator was told it failed): later messages are
-    // received and dropped, not written into the arena.
+    // A batch already refused (its initiator was told it failed), or one the owner will
+    // refuse for want of room to track it (PutPartDone): the message is received and
+    // dropped, not written into the arena.
     auto it = pending_puts_.find(std::make_pair(reply_ep, h.batch_id));
-    if (it != pending_puts_.end() && it->second.refused) {
+    const bool untrackable = it == pending_puts_.end() && pending_put_parts_ + h.num_parts > kMaxPendingPutParts;
+    if (untrackable || (it != pending_puts_.end() && it->second.refused)) {
       PutPartDone(reply_ep, h, absl::OkStatus());
       return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
     }

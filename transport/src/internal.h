@@ -423,10 +423,13 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   // worker, so another initiator that gets a dead one's endpoint address does not meet
   // its records.
   struct PendingPut {
+    uint32_t parts = 0;     // the batch's messages (AmHeader::num_parts)
     uint32_t landed = 0;    // messages landed or refused
     bool refused = false;   // answered with a refusal (or the initiator is gone)
     absl::Time last;        // the last message
-    std::vector<bool> seen;  // per message (size: num_parts)
+    // Per message (size: parts); empty for a batch refused past kMaxPendingPutParts (a
+    // tombstone: `landed` counts its messages, which are dropped).
+    std::vector<bool> seen;
   };
   absl::flat_hash_map<std::pair<ucp_ep_h, uint64_t>, PendingPut> pending_puts_;
   absl::Time next_pending_sweep_ = absl::InfinitePast();

@@ -20,21 +20,43 @@ EventPublisher::EventPublisher(EventPublisherOptions options) : opts_(std::move(
 
 EventPublisher::~EventPublisher() { Stop(); }
 
-void EventPublisher::Stop() {
-  {
-    absl::MutexLock l(&mu_);
-    stop_ = true;
-    // A Write blocked on flow control (the router stopped reading) returns false now;
-    // without this the join below could wait for TCP to give up, or forever.
-    if (live_ctx_ != nullptr) live_ctx_->TryCancel();
-  }
-  if (thread_.joinable()) thread_.join();
+void EventPublisher::RequestStop() {
   absl::MutexLock l(&mu_);
+  stop_ = true;
   streaming_ = false;  // Publish drops events from here
   queue_.clear();
+  // A Write blocked on flow control (the router stopped reading) returns false now;
+  // without this the join in Stop could wait for TCP to give up, or forever.
+  if (live_ctx_ != nullptr) live_ctx_->TryCancel();
+}
+
+void EventPublisher::Stop() {
+  RequestStop();
+  if (thread_.joinable()) thread_.join();
+}
+
+void EventPublisher::Unregister() {
+  if (!opts_.unregister_on_stop || registration_id_ == 0) return;
+  v1::UnregisterRequest req;
+  req.set_source_id(opts_.registration.source_id());
+  req.set_registration(registration_id_);
+  v1::UnregisterResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(absl::ToInt64Milliseconds(opts_.unregister_timeout)));
+  const grpc::Status s = stub_->Unregister(&ctx, req, &resp);
+  if (!s.ok() && s.error_code() != grpc::StatusCode::NOT_FOUND) {
+    spdlog::warn("unregistering {} from the router at {}: {} (it drops the source once its heartbeats stop)",
+                 opts_.registration.source_id(), opts_.router_address, s.error_message());
+  }
+  registration_id_ = 0;
 }
 
 void EventPublisher::Start() {
+  {
+    absl::MutexLock l(&mu_);
+    if (stop_ || thread_.joinable()) return;  // stopped already (or started): nothing to start
+  }
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, static_cast<int>(absl::ToInt64Milliseconds(opts_.keepalive_time)));
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, static_cast<int>(absl::ToInt64Milliseconds(opts_.keepalive_timeout)));
@@ -81,7 +103,7 @@ void EventPublisher::Publish(v1::KvEvent event) {
 void EventPublisher::CompleteDecision(uint64_t decision_id) {
   if (decision_id == 0) return;
   absl::MutexLock l(&mu_);
-  if (completed_.size() < kMaxCompleted) completed_.push_back(decision_id);
+  if (!stop_ && completed_.size() < kMaxCompleted) completed_.push_back(decision_id);
 }
 
 uint64_t EventPublisher::events_sent() const {
@@ -318,6 +340,7 @@ void EventPublisher::Loop() {
   }
   if (stream_) stream_->WritesDone();  // returns at once if ~EventPublisher cancelled it
   CloseStream();
+  Unregister();  // from this thread: RequestStop need not wait for it
 }
 
 }  // namespace kvpool::router

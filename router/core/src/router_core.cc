@@ -158,7 +158,13 @@ absl::Status RouterCore::Register(const SourceInfo& info, absl::Time now) {
     ASSIGN_OR_RETURN(const Model* m, FindModel(info.model, info.block_tokens, "model"));
     model = static_cast<int>(m - models_.data());
   }
-  if (auto it = by_id_.find(info.id); it != by_id_.end()) DropSource(it->second);
+  if (auto it = by_id_.find(info.id); it != by_id_.end()) {
+    DropSource(it->second);
+  } else if (by_id_.size() >= options_.max_sources) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the router has ", by_id_.size(), " sources registered (max_sources); source_id=\"",
+        info.id.substr(0, 64), "\" is refused until one leaves (Unregister, or missed heartbeats)"));
+  }
   SourceSlot slot;
   if (!free_slots_.empty()) {
     slot = free_slots_.back();

@@ -116,6 +116,19 @@ absl::StatusOr<uint64_t> RouterHost::Register(const SourceInfo& info) {
   return reg.id;
 }
 
+absl::Status RouterHost::Unregister(absl::string_view source_id, uint64_t registration) {
+  absl::MutexLock l(&core_mu_);
+  if (registration != 0) {
+    absl::StatusOr<RouterCore::Registration> reg = core_->FindRegistration(source_id);
+    if (reg.ok() && reg->id != registration) {
+      return absl::NotFoundError(absl::StrCat("source_id=\"", source_id.substr(0, 64), "\" registration ",
+                                              registration, " is not current (", reg->id,
+                                              " is): the source registered again since; nothing dropped"));
+    }
+  }
+  return core_->Deregister(source_id);
+}
+
 HeartbeatResult RouterHost::Heartbeat(absl::string_view source_id, const InstanceLoad& load,
                                       std::span<const uint64_t> completed) {
   absl::MutexLock l(&core_mu_);

@@ -117,6 +117,15 @@ class RouterService final : public v1::Router::CallbackService {
                                      v1::RegisterResponse* resp) override {
     return Done(ctx, DoRegister(*req, resp));
   }
+  grpc::ServerUnaryReactor* Unregister(grpc::CallbackServerContext* ctx, const v1::UnregisterRequest* req,
+                                       v1::UnregisterResponse*) override {
+    if (!ValidSourceId(req->source_id())) {
+      return Done(ctx, absl::InvalidArgumentError(absl::StrCat(
+                           "source_id=\"", req->source_id().substr(0, 64),
+                           "\" must be 1..128 bytes of [A-Za-z0-9._:-] (the id the source registered with)")));
+    }
+    return Done(ctx, host_->Unregister(req->source_id(), req->registration()));
+  }
   grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* ctx, const v1::HeartbeatRequest* req,
                                       v1::HeartbeatResponse* resp) override {
     return Done(ctx, DoHeartbeat(*req, resp));

@@ -592,6 +592,24 @@ TEST_F(RouterCoreTest, BadInputIsRejectedNamingTheField) {
   EXPECT_EQ(Route(h).instance_id, "w0");
 }
 
+// Registered sources are bounded (max_sources): a new id beyond it is refused
+// RESOURCE_EXHAUSTED; an id already registered may register again, and a source that
+// leaves makes room.
+TEST_F(RouterCoreTest, RegisteredSourcesAreBounded) {
+  RouterOptions o;
+  o.models = {"llama-3.3-70b"};
+  o.max_sources = 2;
+  Make(o);
+  Worker("w0");
+  PoolNode("p0");
+  const absl::Status over = core_->Register(Info("w1", SourceKind::kWorker, "llama-3.3-70b", true), kT0);
+  EXPECT_EQ(over.code(), absl::StatusCode::kResourceExhausted) << over;
+  EXPECT_NE(over.message().find("max_sources"), absl::string_view::npos) << over;
+  Worker("w0");  // again: not a new source
+  ASSERT_TRUE(core_->Deregister("p0").ok());
+  Worker("w1");
+}
+
 TEST_F(RouterCoreTest, ReRegisterResetsEntriesAndSequence) {
   MakeDefault(PolicyKind::kCacheAware);
   Worker("w0");

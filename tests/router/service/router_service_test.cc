@@ -535,6 +535,48 @@ TEST_F(RouterServiceTest, EventFloodDoesNotStopRoute) {
   EXPECT_EQ(st->index_entries(), 200u * 64 * 2);
 }
 
+// Unregister drops a source at once (it used to stay routable until its heartbeats were
+// missed); a stale registration number or an unknown id drops nothing (NOT_FOUND), a bad
+// id is INVALID_ARGUMENT. An EventPublisher unregisters its source when it stops.
+TEST_F(RouterServiceTest, UnregisterDropsTheSourceAtOnce) {
+  auto registered = [&](const std::string& id) {
+    for (const SourceStats& st : server_->host().Stats().sources) {
+      if (st.id == id) return true;
+    }
+    return false;
+  };
+  uint64_t first = 0, second = 0;
+  RegisterWorker("w1", true, &first);
+  RegisterWorker("w1", true, &second);  // registered again: `first` is stale
+  auto stub = RawStub();
+  auto unregister = [&](const std::string& id, uint64_t registration) {
+    v1::UnregisterRequest req;
+    req.set_source_id(id);
+    req.set_registration(registration);
+    v1::UnregisterResponse resp;
+    grpc::ClientContext ctx;
+    return stub->Unregister(&ctx, req, &resp);
+  };
+  grpc::Status st = unregister("w1", first);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND) << st.error_message();
+  EXPECT_TRUE(registered("w1"));
+  st = unregister("w 1", 0);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+  EXPECT_NE(st.error_message().find("source_id"), std::string::npos) << st.error_message();
+  EXPECT_TRUE(unregister("w1", second).ok());
+  EXPECT_FALSE(registered("w1"));
+  EXPECT_EQ(unregister("w1", 0).error_code(), grpc::StatusCode::NOT_FOUND);
+  auto routed = client_->Route(TokensRequest(Tokens(64, 1)));
+  EXPECT_EQ(routed.status().code(), absl::StatusCode::kUnavailable) << routed.status();
+
+  auto publisher = std::make_unique<EventPublisher>(PublisherOptions({}, absl::Milliseconds(50)));
+  publisher->Start();
+  ASSERT_TRUE(Eventually([&] { return registered("w0"); }));
+  publisher->Stop();
+  EXPECT_FALSE(registered("w0")) << "a stopped publisher's source stays routable";
+  publisher.reset();  // Stop again: nothing left to unregister
+}
+
 TEST_F(RouterServiceTest, HealthServiceAndMetricsEndpoint) {
   RegisterWorker("w0");
   ASSERT_TRUE(client_->Route(TokensRequest(Tokens(64, 9))).ok());

@@ -453,6 +453,16 @@ TEST(WorkerService, AFailedStepTakesTheWorkerOutOfService) {
   EXPECT_EQ(after.status().code(), absl::StatusCode::kUnavailable) << after.status();
   EXPECT_NE(after.status().message().find("out of service"), absl::string_view::npos) << after.status();
   EXPECT_NE(after.status().message().find("injected kernel failure"), absl::string_view::npos) << after.status();
+  // The worker unregistered from the router (on the publisher's thread: a bounded wait,
+  // not a timing assertion).
+  auto registered = [&] {
+    for (const auto& src : cl.router()->host().Stats().sources) {
+      if (src.id == "worker-o") return true;
+    }
+    return false;
+  };
+  for (int i = 0; i < 3000 && registered(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_FALSE(registered()) << "the router still routes to the out-of-service worker";
 }
 
 // Requests beyond --max-queued-requests (queued or running) are refused
@@ -579,9 +589,17 @@ TEST(WorkerService, RouterSeesTheWorkersCache) {
   EXPECT_EQ(route.instance_id(), "worker-r");
   EXPECT_EQ(route.gpu_hit_blocks(), 6u);  // 100 tokens: 6 full blocks of 16
 
-  // A restarted worker (same id, new port, empty cache) re-registers; its full dump
-  // replaces what the router knew, so the prefix is no longer predicted there.
+  // A stopped worker unregisters: the router has no worker until the restarted one
+  // (same id, new port, empty cache) registers; its full dump replaces what the router
+  // knew, so the prefix is no longer predicted there.
   cl.StopWorkers();
+  {
+    v1::RouteRequest req;
+    req.mutable_model()->set_name("tiny-gqa");
+    for (uint32_t t : prompt) req.add_tokens(t);
+    auto r = (*rc)->Route(req);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << "routed to a stopped worker";
+  }
   const int port2 = cl.StartWorker(c);
   ASSERT_NE(port2, 0);
   for (int i = 0; i < 100; ++i) {
@@ -589,6 +607,10 @@ TEST(WorkerService, RouterSeesTheWorkersCache) {
     req.mutable_model()->set_name("tiny-gqa");
     for (uint32_t t : prompt) req.add_tokens(t);
     auto r = (*rc)->Route(req);
+    if (absl::IsUnavailable(r.status())) {  // not registered yet
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      continue;
+    }
     ASSERT_TRUE(r.ok()) << r.status();
     route = *r;
     if (route.instance_address() == absl::StrCat("127.0.0.1:", port2) && route.gpu_hit_blocks() == 0) break;
@@ -860,10 +882,6 @@ TEST(WorkerService, HybridPromptCountsItsStatePages) {
   EXPECT_TRUE(fits.ok()) << fits.error_message();
 }
 
-// A request's prefix hit splits into local and pool tokens by position: the local
-// prefix at admission first, then the blocks fetched after it. When fetched blocks are
-// evicted before the prefill step the hit is shorter from its end, and the pool share
-// shrinks (before, min(fetched, hit) counted the local prefix as fetched).
 // Flags that used to be taken and fail later (a registration the router refuses
 // forever, pool connections refused forever, metrics quietly off) are refused naming
 // the flag; --pool-nodes entries are trimmed (placement hashes them as written).
@@ -912,6 +930,10 @@ TEST(WorkerFlags, RefusedNamingTheFlag) {
   refused_at_start(c, "--metrics-port");
 }
 
+// A request's prefix hit splits into local and pool tokens by position: the local
+// prefix at admission first, then the blocks fetched after it. When fetched blocks are
+// evicted before the prefill step the hit is shorter from its end, and the pool share
+// shrinks (before, min(fetched, hit) counted the local prefix as fetched).
 TEST(SplitPrefixHit, ByPositionInThePrefix) {
   auto split = [](int64_t hit, int64_t local, int64_t fetched) {
     const HitSplit s = SplitPrefixHit(hit, local, fetched);

@@ -168,8 +168,8 @@ absl::Status PoolTier::Get(const PoolLookup& lookup, std::span<const size_t> whi
       // The part is usable while every lease its objects came under is.
       if (f->lease < lookup.leases.size()) {
         const pool_node::PoolLease& l = lookup.leases[f->lease];
-        if (part.lease_id == 0) {
-          part.lease_id = l.lease_id;
+        if (part.lease_id == 0 || l.expires_unix_ms < part.expires_unix_ms) {
+          part.lease_id = l.lease_id;  // the lease that ends first speaks for the part
           part.expires_unix_ms = l.expires_unix_ms;
         }
         if (l.usable_until && (!part.usable_until || *l.usable_until < *part.usable_until)) {

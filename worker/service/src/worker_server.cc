@@ -196,7 +196,7 @@ absl::StatusOr<WorkerConfig> ParseWorkerFlags(int argc, char** argv) {
     // "a:1, b:2": placement hashes the addresses as written, so " b:2" would be a
     // different node from other workers' "b:2".
     p = absl::StripAsciiWhitespace(p);
-    RETURN_IF_ERROR(CheckDialAddress("--pool-nodes", p));
+    RETURN_IF_ERROR(CheckDialTarget("--pool-nodes", p));
     cfg.pool_nodes.emplace_back(p);
   }
   if (cfg.pool_nodes.empty()) {
@@ -313,18 +313,19 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerConfig c
   if (s.cfg.metrics_port >= 0) {
     ASSIGN_OR_RETURN(s.http, MetricsHttpServer::Start(&s.metrics, "0.0.0.0", s.cfg.metrics_port));
   }
+  if (s.publisher) s.publisher->Start();
   // A failed engine step leaves the worker unable to serve (see Engine): health says so
-  // and the heartbeats stop, so the router and any health checker send traffic elsewhere.
+  // and the publisher unregisters from the router and stops (on its own thread: the
+  // engine thread does not wait for the router), so traffic goes elsewhere.
   grpc::Server* server = s.server.get();
   router::EventPublisher* publisher = s.publisher.get();
   const std::string id = s.cfg.instance_id;
   s.engine->SetOutOfServiceHandler([server, publisher, id](const absl::Status& why) {
     spdlog::error("worker {} is out of service: {}; health NOT_SERVING{}", id, std::string(why.message()),
-                  publisher != nullptr ? ", heartbeats to the router stopped" : "");
+                  publisher != nullptr ? ", unregistered from the router" : "");
     server->GetHealthCheckService()->SetServingStatus(false);
-    if (publisher != nullptr) publisher->Stop();
+    if (publisher != nullptr) publisher->RequestStop();
   });
-  if (s.publisher) s.publisher->Start();
   absl::StrAppend(&s.describe, "  router         ", s.cfg.router.empty() ? "none" : s.cfg.router, "\n");
   absl::StrAppend(&s.describe, "  gRPC           ", s.cfg.listen, " (port ", s.port, "), kvpool.v1.Worker + health\n");
   absl::StrAppend(&s.describe, "  metrics        ",

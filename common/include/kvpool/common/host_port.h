@@ -28,8 +28,13 @@ std::string HostPortProblem(absl::string_view address, HostPortUse use);
 // INVALID_ARGUMENT naming the flag (e.g. "--listen") and its value when `value` is not
 // a listen address (HostPortUse::kListen); OK otherwise.
 absl::Status CheckListenAddress(absl::string_view flag, absl::string_view value);
-// The same for an address clients dial (HostPortUse::kDial: --router, --advertise).
+// The same for an address others dial (HostPortUse::kDial: --advertise, what a source
+// announces to the router and the router hands to clients).
 absl::Status CheckDialAddress(absl::string_view flag, absl::string_view value);
+// A gRPC target this process dials itself (--router, --pool-nodes): host:port as above,
+// or a gRPC name scheme with something after it (unix:, unix-abstract:, dns:, ipv4:,
+// ipv6:).
+absl::Status CheckDialTarget(absl::string_view flag, absl::string_view value);
 // "unix:PATH" or "unix-abstract:NAME" (a gRPC Unix socket: no host and port to announce).
 bool IsUnixSocketAddress(absl::string_view address);
 

@@ -67,6 +67,11 @@ struct EventPublisherOptions {
   // (router_service.cc), so keep keepalive_time >= 5 s.
   absl::Duration keepalive_time = absl::Seconds(10);
   absl::Duration keepalive_timeout = absl::Seconds(5);
+  // Stop (and the destructor) unregisters the source (Router.Unregister, at most
+  // unregister_timeout), so the router stops routing to it at once rather than after
+  // its heartbeat timeout.
+  bool unregister_on_stop = true;
+  absl::Duration unregister_timeout = absl::Seconds(1);
 };
 
 class EventPublisher {
@@ -77,11 +82,15 @@ class EventPublisher {
   EventPublisher& operator=(const EventPublisher&) = delete;
 
   void Start();
-  // Stops the thread and cancels the stream (as the destructor does); idempotent. Later
-  // Publish and CompleteDecision calls are dropped. With no more heartbeats the router
-  // drops this source after its heartbeat timeout: for a process that must take no more
-  // traffic but cannot exit yet.
+  // Stops the thread, cancels the stream and unregisters the source (as the destructor
+  // does; see unregister_on_stop); idempotent. Later Publish and CompleteDecision calls
+  // are dropped, and Start does nothing. For a process that must take no more traffic
+  // but cannot exit yet.
   void Stop();
+  // Stop without waiting: the thread unregisters (at most unregister_timeout) and ends on
+  // its own; Stop or the destructor joins it. Callable from any thread, e.g. one that
+  // must not block.
+  void RequestStop();
   // Queues an event; its sequence number is assigned when it is sent. A stored or removed
   // event of more than 4096 hashes (the router's limit per event) is queued as
   // consecutive events of at most 4096, stored parts chained by parent hash.
@@ -111,6 +120,7 @@ class EventPublisher {
   grpc::Status CloseStream(bool cancel = true);
   bool SendDump();     // false: the stream broke
   HeartbeatOutcome SendHeartbeat();
+  void Unregister();  // the thread, as it ends (unregister_on_stop)
 
   const EventPublisherOptions opts_;
   std::unique_ptr<v1::Router::Stub> stub_;  // used by the thread only

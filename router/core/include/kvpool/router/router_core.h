@@ -64,6 +64,9 @@ struct RouterOptions {
   PolicyKind policy = PolicyKind::kCacheAware;
   PolicyParams policy_params;
   size_t max_index_entries = 1u << 24;
+  // Registered sources at most: Register of a new id beyond it is RESOURCE_EXHAUSTED
+  // (each source costs per-slot state in the index and the load table).
+  size_t max_sources = 65536;
   double ttft_slo_s = 0;             // > 0: Route answers RESOURCE_EXHAUSTED above it
   HybridMode hybrid_mode = HybridMode::kStrict;
   absl::Duration heartbeat_interval = absl::Seconds(1);

@@ -68,6 +68,9 @@ class RouterHost {
   // The registration's number (RegisterResponse.registration): a stream that carries it
   // belongs to this registration (see Enqueue).
   absl::StatusOr<uint64_t> Register(const SourceInfo& info);
+  // Drops the source now (RouterCore::Deregister); with `registration` != 0 only if that
+  // registration is still the current one (else NOT_FOUND, nothing dropped).
+  absl::Status Unregister(absl::string_view source_id, uint64_t registration);
   HeartbeatResult Heartbeat(absl::string_view source_id, const InstanceLoad& load,
                             std::span<const uint64_t> completed);
   RouterStatsSnapshot Stats();
