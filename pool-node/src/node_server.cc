@@ -203,7 +203,7 @@ absl::StatusOr<std::unique_ptr<NodeServer>> NodeServer::Start(NodeConfig config)
   }
   ASSIGN_OR_RETURN(s.core, PoolCore::Create(po));
   const transport::RemoteArena& desc = s.arena->descriptor();
-  ConnectInfo info{po.node_id, s.worker->address(), desc.rkey, desc.Serialize(), desc.base};
+  ConnectInfo info{po.node_id, s.worker->address(), desc.rkey, desc.Serialize(), desc.base, !default_id};
   s.service = std::make_unique<PoolNodeService>(s.core.get(), std::move(info), &s.metrics);
   builder.RegisterService(s.service.get());
   s.server = builder.BuildAndStart();

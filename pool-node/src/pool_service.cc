@@ -87,7 +87,8 @@ void BlockingPool::Run(std::function<void()> fn) {
 }
 
 PoolNodeService::PoolNodeService(PoolCore* core, ConnectInfo info, MetricsRegistry* metrics)
-    : core_(core), info_(std::move(info)), node_id_(info_.node_id), metrics_(metrics), blocking_(std::make_unique<BlockingPool>(4)) {
+    : core_(core), info_(std::move(info)), node_id_(info_.node_id), node_id_final_(info_.node_id_final),
+      metrics_(metrics), blocking_(std::make_unique<BlockingPool>(4)) {
   lookup_seconds_ = &metrics_->GetHistogram("kvpool_pool_lookup_seconds", "Lookup handling time",
                                             Histogram::ExponentialBounds(1e-5, 2, 20));
   for (int m = 0; m < kNumMethods; ++m) {
@@ -142,6 +143,9 @@ grpc::Status PoolNodeService::DoConnect(const v1::ConnectRequest* req, v1::Conne
   }
   {
     absl::MutexLock l(&node_id_mu_);
+    if (!node_id_final_) {
+      return Done(kConnect, absl::UnavailableError("the pool node is starting (its id is set once its port is bound); retry"));
+    }
     resp->set_node_id(node_id_);
   }
   resp->set_ucx_worker_address(info_.ucx_worker_address);

@@ -36,6 +36,9 @@ struct ConnectInfo {
   std::string arena_rkey;        // packed rkey
   std::string arena_descriptor;  // transport::RemoteArena::Serialize()
   uint64_t arena_base = 0;
+  // False while the id is still to be set (pool-<port>, once the port is bound): Connect
+  // answers UNAVAILABLE until SetNodeId, rather than hand out a placeholder id.
+  bool node_id_final = true;
 };
 
 // A few threads for work that blocks (Lookups that read NVMe), off the reactors.
@@ -78,6 +81,7 @@ class PoolNodeService final : public PoolNodeServiceBase {
   void SetNodeId(std::string node_id) {
     absl::MutexLock l(&node_id_mu_);
     node_id_ = std::move(node_id);
+    node_id_final_ = true;
   }
 
  private:
@@ -93,6 +97,7 @@ class PoolNodeService final : public PoolNodeServiceBase {
   const ConnectInfo info_;  // node_id unused: see node_id_
   mutable absl::Mutex node_id_mu_;
   std::string node_id_ ABSL_GUARDED_BY(node_id_mu_);
+  bool node_id_final_ ABSL_GUARDED_BY(node_id_mu_) = true;
   MetricsRegistry* metrics_;
   Histogram* lookup_seconds_;
   // kvpool_pool_rpcs_total{code="OK"} per method, looked up once: the registry's lookup
