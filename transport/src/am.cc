@@ -215,6 +215,18 @@ void WorkerImpl::PutPartDone(ucp_ep_h reply_ep, const AmHeader& h, const absl::S
   auto [it, fresh] = pending_puts_.try_emplace(std::make_pair(reply_ep, h.batch_id));
   PendingPut& pp = it->second;
   pp.last = MonotonicNow();
+  if (fresh && pending_puts_.size() > kMaxPendingPutRecords) {
+    // Records (tombstones included) are bounded too: refuse without one. Later messages
+    // of this batch are dropped while the owner stays this full (OnAm).
+    pending_puts_.erase(it);
+    if (reply) {
+      SendOwnerReply(reply_ep, kAmPutAck, h.batch_id, h.part,
+                     absl::ResourceExhaustedError(absl::StrCat("the owner tracks ", kMaxPendingPutRecords,
+                                                               " puts under way (at most); retry once they landed")),
+                     {}, {});
+    }
+    return;
+  }
   if (fresh) {
     pp.parts = h.num_parts;
     // Each record holds a bit per message of its batch, for up to kPendingPutTtl: bound
@@ -360,7 +372,8 @@ ucs_status_t WorkerImpl::OnAm(unsigned id, const void* header, size_t header_len
     // refuse for want of room to track it (PutPartDone): the message is received and
     // dropped, not written into the arena.
     auto it = pending_puts_.find(std::make_pair(reply_ep, h.batch_id));
-    const bool untrackable = it == pending_puts_.end() && pending_put_parts_ + h.num_parts > kMaxPendingPutParts;
+    const bool untrackable = it == pending_puts_.end() && (pending_put_parts_ + h.num_parts > kMaxPendingPutParts ||
+                                                           pending_puts_.size() >= kMaxPendingPutRecords);
     if (untrackable || (it != pending_puts_.end() && it->second.refused)) {
       PutPartDone(reply_ep, h, absl::OkStatus());
       return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;

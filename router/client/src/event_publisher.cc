@@ -187,6 +187,7 @@ bool EventPublisher::SendDump() {
   // caught by both is harmless: stored twice, or removed after the dump, in order).
   {
     absl::MutexLock l(&mu_);
+    if (stop_) return false;  // stopping: no stream, no queue
     queue_.clear();
     streaming_ = true;
   }
@@ -279,6 +280,10 @@ void EventPublisher::Loop() {
   };
   for (;;) {
     if (!connected) {
+      {
+        absl::MutexLock l(&mu_);
+        if (stop_) break;  // a stopped publisher does not register again
+      }
       failed_heartbeats = 0;
       connected = RegisterAndDump() && heartbeat();  // load known to the router right away
       if (!connected) {  // unreachable, or registered but refused: do not hammer the router

@@ -141,8 +141,9 @@ class Cluster {
     std::filesystem::remove_all(dir_);
   }
 
-  void StartRouter(const std::string& model) {
+  void StartRouter(const std::string& model, absl::Duration heartbeat_timeout = absl::Seconds(10)) {
     router::RouterServerOptions o;
+    o.host.core.heartbeat_timeout = heartbeat_timeout;
     o.listen = "127.0.0.1:0";
     o.metrics_port = -1;
     o.host.core.models = {model};
@@ -419,11 +420,11 @@ TEST(WorkerService, FailedStepOffloadsNothing) {
 
 // After a failed step the runner refuses all further work: the worker says so where
 // clients and health checkers look (health NOT_SERVING; UNAVAILABLE naming why, so a
-// client tries elsewhere) and stops its heartbeats to the router. It used to stay
+// client tries elsewhere) and unregisters from the router. It used to stay
 // SERVING and answer FAILED_PRECONDITION to every request.
 TEST(WorkerService, AFailedStepTakesTheWorkerOutOfService) {
   Cluster cl("out-of-service");
-  cl.StartRouter("tiny-gqa");
+  cl.StartRouter("tiny-gqa", /*heartbeat_timeout=*/absl::Minutes(10));  // only Unregister drops it
   std::atomic<int> forwards{0};
   WorkerConfig wc;
   wc.instance_id = "worker-o";

@@ -77,7 +77,9 @@ struct EventPublisherOptions {
 class EventPublisher {
  public:
   explicit EventPublisher(EventPublisherOptions options);
-  ~EventPublisher();  // stops the thread, cancels the stream (never waits on the router)
+  // Stop(): cancels the stream, then waits for the thread: an RPC it has in flight (at
+  // most rpc_timeout) and its Unregister (at most unregister_timeout).
+  ~EventPublisher();
   EventPublisher(const EventPublisher&) = delete;
   EventPublisher& operator=(const EventPublisher&) = delete;
 
