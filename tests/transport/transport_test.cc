@@ -662,7 +662,8 @@ class RawAmPeer {
     h.num_segs = static_cast<uint32_t>(segs.size());
     std::string hdr(sizeof(h) + segs.size() * sizeof(WireSeg), '\0');
     std::memcpy(hdr.data(), &h, sizeof(h));
-    std::memcpy(hdr.data() + sizeof(h), segs.data(), segs.size() * sizeof(WireSeg));
+    // (No memcpy from an empty vector's data(), which may be null: UBSan flags it.)
+    if (!segs.empty()) std::memcpy(hdr.data() + sizeof(h), segs.data(), segs.size() * sizeof(WireSeg));
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
