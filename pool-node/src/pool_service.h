@@ -37,7 +37,7 @@ struct ConnectInfo {
   std::string arena_descriptor;  // transport::RemoteArena::Serialize()
   uint64_t arena_base = 0;
   // False while the id is still to be set (pool-<port>, once the port is bound): Connect
-  // answers UNAVAILABLE until SetNodeId, rather than hand out a placeholder id.
+  // answers UNAVAILABLE until SetNodeId, rather than hand out the provisional "pool-node".
   bool node_id_final = true;
 };
 

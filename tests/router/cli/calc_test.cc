@@ -79,6 +79,11 @@ struct BadCase {
   std::string flag;  // the error must name it
 };
 
+// `kvctl calc ttft` of a valid request with `flag value` added; the error must name `flag`.
+BadCase TtftWith(const std::string& flag, const std::string& value) {
+  return BadCase{{"calc", "ttft", "--model", "llama-3.3-70b", "--context", "10", "--hit", "0.5", flag, value}, flag};
+}
+
 class KvctlBadArgsTest : public ::testing::TestWithParam<BadCase> {};
 
 TEST_P(KvctlBadArgsTest, FailsNamingTheFlag) {
@@ -135,25 +140,13 @@ INSTANTIATE_TEST_SUITE_P(
                 "--hit"},
         BadCase{{"calc", "ttft", "--model", "llama-3.3-70b", "--context", "0", "--hit", "0.5"},
                 "--context"},
-        BadCase{{"calc", "ttft", "--model", "llama-3.3-70b", "--context", "10", "--hit", "0.5",
-                 "--queue", "-1"},
-                "--queue"},
-        BadCase{{"calc", "ttft", "--model", "llama-3.3-70b", "--context", "10", "--hit", "0.5",
-                 "--tier", "tape"},
-                "--tier"},
-        BadCase{{"calc", "ttft", "--model", "llama-3.3-70b", "--context", "10", "--hit", "0.5",
-                 "--flops", "fast"},
-                "--flops"},
-        BadCase{{"calc", "ttft", "--model", "llama-3.3-70b", "--context", "10", "--hit", "0.5",
-                 "--bandwidth", "0"},
-                "--bandwidth"},
+        TtftWith("--queue", "-1"),
+        TtftWith("--tier", "tape"),
+        TtftWith("--flops", "fast"),
+        TtftWith("--bandwidth", "0"),
         // Positive but absurd: the figures overflowed to inf / NaN.
-        BadCase{{"calc", "ttft", "--model", "llama-3.3-70b", "--context", "10", "--hit", "0.5",
-                 "--flops", "1e-300"},
-                "--flops"},
-        BadCase{{"calc", "ttft", "--model", "llama-3.3-70b", "--context", "10", "--hit", "0.5",
-                 "--bandwidth", "1e-300"},
-                "--bandwidth"},
+        TtftWith("--flops", "1e-300"),
+        TtftWith("--bandwidth", "1e-300"),
         BadCase{{"simulate", "--trace", "unread.jsonl", "--flops", "1e-300"}, "--flops"},
         BadCase{{"simulate", "--trace", "unread.jsonl", "--pool-bandwidth", "1e300"}, "--pool-bandwidth"},
         BadCase{{"calc", "ttft", "--context", "10", "--hit", "0.5"}, "--model"}));
