@@ -124,6 +124,10 @@ class PoolCore::Impl {
   absl::flat_hash_map<uint64_t, ReservationState> reservations_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, LeaseState> leases_ ABSL_GUARDED_BY(mu_);
   std::set<std::pair<int64_t, uint64_t>> lease_expiry_ ABSL_GUARDED_BY(mu_);
+  // (expires_ms, id) of the reservations no Commit is verifying (committing == 0), so
+  // ExpireLocked visits only the timed-out ones: a Commit takes its reservation out
+  // while it verifies and puts it back after (ExpiryOff / ExpiryOn).
+  std::set<std::pair<int64_t, uint64_t>> reservation_expiry_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t tick_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t used_by_kind_[kNumTiers][kNumKinds] ABSL_GUARDED_BY(mu_) = {};  // pages
@@ -212,7 +216,15 @@ class PoolCore::Impl {
   // kind < 0): pages of DRAM copies not held (invariant 5). An upper bound: an unheld
   // parent of a held child is not evictable either.
   uint64_t EvictableDramPages(int kind) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends the leases and reservations whose time is up, and frees the held-back pages
+  // whose hold is over: O(what expires), not O(what is open).
   void ExpireLocked(int64_t now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ExpiryOn(uint64_t id, const ReservationState& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    reservation_expiry_.emplace(r.expires_ms, id);
+  }
+  void ExpiryOff(uint64_t id, const ReservationState& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    reservation_expiry_.erase({r.expires_ms, id});
+  }
   // For RESOURCE_EXHAUSTED messages: ", and N pages held back from timed-out reservations
   // (free again by T ms)" while there are any, else empty.
   std::string HeldBackNote() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -365,17 +365,17 @@ void PoolCore::Impl::ExpireLocked(int64_t now) {
     dram_quarantined_pages_ -= dram_quarantine_.front().second.size();
     dram_quarantine_.pop_front();
   }
-  for (auto it = reservations_.begin(); it != reservations_.end();) {
-    if (it->second.committing == 0 && it->second.expires_ms <= now) {
-      // Not freed yet: a client that missed the deadline may still write into them.
-      std::vector<uint32_t> held;
-      FreeReservation(it->second, &held);
-      HoldBack(std::move(held), now);
-      ++reclaimed_;
-      reservations_.erase(it++);
-    } else {
-      ++it;
-    }
+  while (!reservation_expiry_.empty() && reservation_expiry_.begin()->first <= now) {
+    const uint64_t id = reservation_expiry_.begin()->second;
+    reservation_expiry_.erase(reservation_expiry_.begin());
+    auto it = reservations_.find(id);
+    if (it == reservations_.end()) continue;  // not reached: ended ones leave the index
+    // Not freed yet: a client that missed the deadline may still write into them.
+    std::vector<uint32_t> held;
+    FreeReservation(it->second, &held);
+    HoldBack(std::move(held), now);
+    ++reclaimed_;
+    reservations_.erase(it);
   }
 }
 

@@ -390,6 +390,7 @@ bool NvmeStore::BeginRewrite() {
   rewriting_ = true;
   appended_while_rewriting_.clear();
   failed_while_rewriting_ = false;
+  backlog_overflowed_ = false;
   return true;
 }
 
@@ -411,6 +412,11 @@ absl::Status NvmeStore::FinishRewrite(std::span<const NvmeRecord> live) {
     absl::MutexLock l(&journal_mu_);
     // The records appended since the snapshot follow it in the new journal (they are in
     // the old one too, so a crash before the rename loses none), then the rename.
+    if (ws.ok() && backlog_overflowed_) {
+      ws = absl::ResourceExhaustedError(absl::StrCat(
+          "more than ", rewrite_backlog_limit_, " bytes of journal records were appended while ", tmp,
+          " was written and synced (a slow disk); the rewrite is dropped and the journal kept as it is"));
+    }
     if (ws.ok()) ws = WriteAll(tfd, appended_while_rewriting_, tmp);
     if (ws.ok() && ::rename(tmp.c_str(), journal_path_.c_str()) != 0) ws = Errno("rename", tmp);
     if (ws.ok()) {
@@ -478,9 +484,16 @@ absl::Status NvmeStore::Append(const std::string& bytes, bool* may_be_recorded) 
   // A failed append may have left a torn or partial tail: rewrite the journal soon.
   if (!st.ok()) rewrite_due_ = true;
   if (st.ok()) journal_bytes_ += bytes.size();
-  if (rewriting_) {
-    if (st.ok()) appended_while_rewriting_ += bytes;
-    else failed_while_rewriting_ = true;
+  if (rewriting_ && !backlog_overflowed_) {
+    if (!st.ok()) {
+      failed_while_rewriting_ = true;
+    } else if (appended_while_rewriting_.size() + bytes.size() > rewrite_backlog_limit_) {
+      backlog_overflowed_ = true;  // FinishRewrite drops the rewrite
+      appended_while_rewriting_.clear();
+      appended_while_rewriting_.shrink_to_fit();
+    } else {
+      appended_while_rewriting_ += bytes;
+    }
   }
   return st;
 }

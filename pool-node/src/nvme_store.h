@@ -103,8 +103,17 @@ class NvmeStore {
   // journal as usual (no caller waits for the rewrite's writes and fsyncs) and are
   // copied into the new one before it is renamed over the old. False from BeginRewrite:
   // another rewrite is under way (skip this one).
+  // The records appended meanwhile are kept in memory up to kMaxRewriteBacklog bytes
+  // (a rewrite whose fsync stalls while the node keeps demoting must not grow the heap
+  // without bound): past that the rewrite is dropped (FinishRewrite fails, the current
+  // journal stays as it is and keeps every record) and tried again later.
   bool BeginRewrite();
   absl::Status FinishRewrite(std::span<const NvmeRecord> live);
+  static constexpr uint64_t kMaxRewriteBacklog = 64ull << 20;
+  void SetRewriteBacklogLimitForTest(uint64_t bytes) {
+    absl::MutexLock l(&journal_mu_);
+    rewrite_backlog_limit_ = bytes;
+  }
   uint64_t journal_bytes() {
     absl::MutexLock l(&journal_mu_);
     return journal_bytes_;
@@ -134,6 +143,8 @@ class NvmeStore {
   bool rewriting_ ABSL_GUARDED_BY(journal_mu_) = false;
   std::string appended_while_rewriting_ ABSL_GUARDED_BY(journal_mu_);
   bool failed_while_rewriting_ ABSL_GUARDED_BY(journal_mu_) = false;
+  bool backlog_overflowed_ ABSL_GUARDED_BY(journal_mu_) = false;  // this rewrite is dropped
+  uint64_t rewrite_backlog_limit_ ABSL_GUARDED_BY(journal_mu_) = kMaxRewriteBacklog;
 };
 
 }  // namespace kvpool::pool_node

@@ -318,6 +318,7 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
   unpin();
   rs.by_hash.reserve(rs.entries.size());
   for (uint32_t j = 0; j < rs.entries.size(); ++j) rs.by_hash.emplace(rs.entries[j].spec.hash, j);
+  im.ExpiryOn(out.id, rs);
   im.reservations_.emplace(out.id, std::move(rs));
   return out;
 }
@@ -390,7 +391,7 @@ absl::StatusOr<std::vector<CommitOutcome>> PoolCore::Commit(uint64_t reservation
       claims[i].pages = re.pages;
       claims[i].length = re.spec.length;
     }
-    ++rs.committing;
+    if (rs.committing++ == 0) im.ExpiryOff(reservation_id, rs);
   }
   // Phase 2: checksums of the written bytes, without the lock (pages owned by the
   // reservation, which cannot end or expire while this Commit counts in `committing`).
@@ -443,7 +444,7 @@ absl::StatusOr<std::vector<CommitOutcome>> PoolCore::Commit(uint64_t reservation
     re.pages.clear();
   }
   // The reservation ends with its last Commit, as counted by the final one.
-  --rs.committing;
+  if (--rs.committing == 0) im.ExpiryOn(reservation_id, rs);
   ++rs.done;
   if (rs.last != 0 && rs.done >= rs.last && rs.committing == 0) {
     // A client ends a reservation early when a Put failed, maybe in a transfer it gave
@@ -452,6 +453,7 @@ absl::StatusOr<std::vector<CommitOutcome>> PoolCore::Commit(uint64_t reservation
     std::vector<uint32_t> held;
     im.FreeReservation(rs, rs.ended_early ? &held : nullptr);
     im.HoldBack(std::move(held), im.clock_->NowMs());
+    im.ExpiryOff(reservation_id, rs);
     im.reservations_.erase(it);
   }
   return out;

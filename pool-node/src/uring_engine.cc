@@ -4,7 +4,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
+#include <map>
 
 #include "absl/strings/str_cat.h"
 
@@ -105,8 +107,9 @@ absl::Status UringEngine::Wait(Batch& batch) {
 }
 
 void UringEngine::Loop() {
+  using SteadyClock = std::chrono::steady_clock;
   std::deque<Pending> local;
-  std::vector<std::unique_ptr<Pending>> unused;
+  std::multimap<SteadyClock::time_point, Pending> deferred;  // -EAGAIN retries, by due time
   unsigned inflight = 0;
   bool poll_armed = false;
   uint64_t wake_buf = 0;
@@ -117,7 +120,12 @@ void UringEngine::Loop() {
         local.push_back(queue_.front());
         queue_.pop_front();
       }
-      if (stop_ && local.empty() && inflight == 0) return;
+      if (stop_ && local.empty() && inflight == 0 && deferred.empty()) return;
+    }
+    const SteadyClock::time_point now = SteadyClock::now();
+    while (!deferred.empty() && deferred.begin()->first <= now) {
+      local.push_front(deferred.begin()->second);
+      deferred.erase(deferred.begin());
     }
     while (inflight < queue_depth_ && !local.empty()) {
       io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
@@ -146,7 +154,16 @@ void UringEngine::Loop() {
         poll_armed = true;
       }
     }
-    io_uring_submit_and_wait(&ring_, 1);
+    if (deferred.empty()) {
+      io_uring_submit_and_wait(&ring_, 1);
+    } else {
+      // Sleep no longer than until the first deferred retry is due.
+      const int64_t wait_ns = std::max<int64_t>(
+          0, std::chrono::duration_cast<std::chrono::nanoseconds>(deferred.begin()->first - SteadyClock::now()).count());
+      __kernel_timespec ts{.tv_sec = wait_ns / 1'000'000'000, .tv_nsec = wait_ns % 1'000'000'000};
+      io_uring_cqe* first = nullptr;
+      io_uring_submit_and_wait_timeout(&ring_, &first, 1, &ts, nullptr);  // -ETIME: a retry is due
+    }
     io_uring_cqe* cqe;
     unsigned head, seen = 0;
     io_uring_for_each_cqe(&ring_, head, cqe) {
@@ -163,7 +180,11 @@ void UringEngine::Loop() {
       if ((res == -EAGAIN || res == -EINTR) && p->retries < kMaxTransientRetries) {
         // Transient: the kernel did not do the op (or part of it) this time.
         ++p->retries;
-        local.push_front(*p);
+        if (res == -EINTR) {
+          local.push_front(*p);
+        } else {
+          deferred.emplace(SteadyClock::now() + std::chrono::microseconds(RetryDelayUs(p->retries)), *p);
+        }
         delete p;
         continue;
       }

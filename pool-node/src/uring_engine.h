@@ -14,6 +14,7 @@
 
 #include <liburing.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -80,8 +81,18 @@ class UringEngine {
   }
 
   // Ops that complete with -EAGAIN or -EINTR are submitted again, up to this many times
-  // each, before the error fails the op.
+  // each, before the error fails the op. After -EINTR (a signal) at once; after -EAGAIN
+  // (a device or queue with no room now) once RetryDelay has passed, doubling from
+  // kFirstRetryDelayUs up to kMaxRetryDelayUs: a lasting EAGAIN fails the op after
+  // about 0.2 s of tries, not after 16 resubmissions within microseconds. The other ops
+  // keep running meanwhile.
   static constexpr uint32_t kMaxTransientRetries = 16;
+  static constexpr int64_t kFirstRetryDelayUs = 100;
+  static constexpr int64_t kMaxRetryDelayUs = 20'000;
+  // The wait before the retry-th resubmission (1-based) after -EAGAIN.
+  static constexpr int64_t RetryDelayUs(uint32_t retry) {
+    return retry >= 9 ? kMaxRetryDelayUs : std::min(kMaxRetryDelayUs, kFirstRetryDelayUs << (retry - 1));
+  }
 
   unsigned queue_depth() const { return queue_depth_; }
   bool registered_buffers() const { return registered_; }

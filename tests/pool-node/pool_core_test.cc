@@ -328,6 +328,42 @@ TEST_F(PoolCoreTest, ZombieReserveIsReclaimedAfterTimeout) {
   EXPECT_TRUE(core->Reserve({&other, 1}).ok());
 }
 
+TEST_F(PoolCoreTest, ReservationsExpireInDeadlineOrderAndPartlyCommittedOnesKeepWhatCame) {
+  auto core = Make(16, {.reserve_timeout_ms = 1000});
+  // Three reservations 300 ms apart; the second has one of its two entries committed.
+  ReserveEntrySpec a{H(1), std::nullopt, StateKind::kAttnKv, kPage};
+  std::vector<ReserveEntrySpec> b = {{H(2), std::nullopt, StateKind::kAttnKv, kPage},
+                                     {H(3), H(2), StateKind::kAttnKv, kPage}};
+  ReserveEntrySpec c{H(4), std::nullopt, StateKind::kAttnKv, kPage};
+  auto ra = core->Reserve({&a, 1});
+  ASSERT_TRUE(ra.ok());
+  clock_.AdvanceMs(300);
+  auto rb = core->Reserve(b);
+  ASSERT_TRUE(rb.ok());
+  const std::string bytes = Pattern(2, kPage);
+  core->CopyToRun(rb->slots[0].run, testing::Bytes(bytes));
+  CommitEntrySpec cb{H(2), Checksum64(testing::Bytes(bytes))};
+  auto partial = core->Commit(rb->id, {&cb, 1}, /*partial=*/true);
+  ASSERT_TRUE(partial.ok());
+  ASSERT_TRUE((*partial)[0].status.ok());
+  clock_.AdvanceMs(300);
+  ASSERT_TRUE(core->Reserve({&c, 1}).ok());
+  const uint64_t expected_pending[] = {3, 2, 1, 0};
+  const uint64_t expected_reclaimed[] = {0, 1, 2, 3};
+  // At 600 ms nothing is due; then one reservation per step, oldest first.
+  for (int step = 0; step < 4; ++step) {
+    clock_.AdvanceMs(step == 0 ? 0 : (step == 1 ? 400 : 300));  // a is due at 1000 ms, b 1300, c 1600
+    core->RunMaintenance();
+    const auto st = core->Stats();
+    EXPECT_EQ(st.pending_reservations, expected_pending[step]) << step;
+    EXPECT_EQ(st.reclaimed_reservations, expected_reclaimed[step]) << step;
+  }
+  // The committed entry of b stays; its uncommitted one was reclaimed.
+  EXPECT_TRUE(core->Inspect({H(2), StateKind::kAttnKv}));
+  EXPECT_FALSE(core->Inspect({H(3), StateKind::kAttnKv}));
+  EXPECT_EQ(core->Stats().reserved_bytes, 0u);
+}
+
 TEST_F(PoolCoreTest, CapacityExhaustionIsResourceExhausted) {
   auto core = Make(4);
   ReserveEntrySpec big{H(1), std::nullopt, StateKind::kAttnKv, 5 * kPage};

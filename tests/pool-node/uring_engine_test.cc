@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -100,14 +101,20 @@ TEST_F(UringEngineTest, TransientErrorsAreRetried) {
   }
 }
 
-// An error that persists fails the op (and its batch) after a bounded number of tries;
-// the other ops of the batch still complete, and the engine keeps serving.
+// An error that persists fails the op (and its batch) after a bounded number of tries,
+// spaced by a growing delay (EAGAIN: the device has no room now; resubmitting at once
+// would spend the tries within microseconds); the other ops of the batch still
+// complete, and the engine keeps serving.
 TEST_F(UringEngineTest, PersistentTransientErrorsFailTheOpAfterBoundedRetries) {
   Start(/*register_memory=*/true);
   std::atomic<int> tries{0};
+  absl::Mutex mu;
+  std::vector<std::chrono::steady_clock::time_point> seen;  // completions of the failing op
   engine_->SetCompletionFaultForTest([&](const IoOp& op, int res) {
     if (op.file_offset != 3 * kBlock) return res;
     ++tries;
+    absl::MutexLock l(&mu);
+    seen.push_back(std::chrono::steady_clock::now());
     return -EAGAIN;
   });
   std::vector<absl::Status> per_op;
@@ -116,6 +123,14 @@ TEST_F(UringEngineTest, PersistentTransientErrorsFailTheOpAfterBoundedRetries) {
   EXPECT_NE(st.message().find("offset 12288"), std::string::npos) << st;
   EXPECT_NE(st.message().find("retries"), std::string::npos) << st;
   EXPECT_EQ(tries.load(), static_cast<int>(UringEngine::kMaxTransientRetries) + 1);
+  {
+    // Each resubmission waited at least its delay (a lower bound: never flaky).
+    absl::MutexLock l(&mu);
+    ASSERT_EQ(seen.size(), UringEngine::kMaxTransientRetries + 1);
+    for (uint32_t k = 1; k < seen.size(); ++k) {
+      EXPECT_GE(seen[k] - seen[k - 1], std::chrono::microseconds(UringEngine::RetryDelayUs(k))) << "retry " << k;
+    }
+  }
   ASSERT_EQ(per_op.size(), kOps);
   for (uint32_t i = 0; i < kOps; ++i) EXPECT_EQ(per_op[i].ok(), i != 3) << i;
   // Other offsets still work.
