@@ -275,7 +275,7 @@ void KvIndex::ClearSource(SourceSlot slot) {
   SourceState& s = Source(slot);
   if (s.entries == 0) return;
   map_.EraseIf([&](const BlockHash&, Entry& e) {
-    const int removed = RemoveAllHolders(e, slot);
+    const int removed = TrackSpill(e, [&] { return RemoveAllHolders(e, slot); });
     if (removed == 0) return false;
     entries_ -= removed;
     return e.empty();
@@ -304,7 +304,7 @@ void KvIndex::Store(SourceSlot slot, const BlockHash& parent, std::span<const Bl
       added += (e.gpu0 & gpu_bit) == 0 ? 1 : 0;
       e.gpu0 |= gpu_bit;
     } else {
-      added += AddHolder(e, slot, tier) ? 1 : 0;
+      added += TrackSpill(e, [&] { return AddHolder(e, slot, tier); }) ? 1 : 0;
     }
     prev = h;
   }
@@ -329,7 +329,7 @@ void KvIndex::Remove(SourceSlot slot, std::span<const BlockHash> hashes, Tier ti
       if (e.gpu0 == 0 && e.pool_slot == kNoSlot && e.spill == nullptr) map_.erase(it);
       continue;
     }
-    if (RemoveHolder(it->second, slot, tier)) {
+    if (TrackSpill(it->second, [&] { return RemoveHolder(it->second, slot, tier); })) {
       ++removed;
       if (it->second.empty()) map_.erase(it);
     }
@@ -572,13 +572,20 @@ EventBatch KvIndex::Dump(SourceSlot slot) const {
   return b;
 }
 
+size_t KvIndex::SpillBytes(const Entry& e) {
+  if (e.spill == nullptr) return 0;
+  size_t bytes = sizeof(Spill) + e.spill->pool.capacity() * sizeof(PoolHolder);
+  if (e.spill->gpu.capacity() > 1) bytes += e.spill->gpu.capacity() * sizeof(GpuWord);  // on the heap
+  return bytes;
+}
+
 size_t KvIndex::MemoryBytes() const {
+  return map_.capacity() * sizeof(Map::Slot) + sources_.capacity() * sizeof(SourceState) + spill_bytes_;
+}
+
+size_t KvIndex::MemoryBytesByWalk() const {
   size_t bytes = map_.capacity() * sizeof(Map::Slot) + sources_.capacity() * sizeof(SourceState);
-  for (const auto& [key, e] : map_) {
-    if (e.spill == nullptr) continue;
-    bytes += sizeof(Spill) + e.spill->pool.capacity() * sizeof(PoolHolder);
-    if (e.spill->gpu.size() > 1) bytes += e.spill->gpu.capacity() * sizeof(GpuWord);
-  }
+  for (const auto& [key, e] : map_) bytes += SpillBytes(e);
   return bytes;
 }
 
@@ -635,6 +642,7 @@ void KvIndex::MaybePrune() {
     entries_ -= n;
     pruned_ += n;
     const BlockHash parent = e.parent;
+    spill_bytes_ -= SpillBytes(e);
     map_.erase(it);
     if (!parent.IsZero() && !age_alone) {
       auto c = children.find(parent);

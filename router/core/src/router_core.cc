@@ -1,6 +1,7 @@
 #include "kvpool/router/router_core.h"
 
 #include <algorithm>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "kvpool/common/host_port.h"
@@ -56,7 +57,12 @@ RouterCore::RouterCore(RouterOptions options)
     : options_(std::move(options)),
       index_(KvIndex::Options{.max_entries = options_.max_index_entries}),
       load_(options_.decision_timeout),
-      policy_(options_.policy_params, options_.seed) {}
+      policy_(options_.policy_params, options_.seed) {
+  // Not from options_.seed: two routers started with the same seed must not number alike.
+  std::random_device rd;
+  const uint64_t r = (uint64_t{rd()} << 32) ^ rd();
+  registrations_ = (uint64_t{1} << 40) + r % ((uint64_t{1} << 62) - (uint64_t{1} << 40));
+}
 
 absl::StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(RouterOptions options) {
   if (options.models.empty()) {

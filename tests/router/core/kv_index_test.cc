@@ -212,6 +212,8 @@ TEST_P(KvIndexDifferentialTest, RandomEventsMatchReference) {
     ASSERT_EQ(index.last_sequence(slot), ref.sources[slot].last) << "step " << step;
     ASSERT_EQ(index.entries(), ref.Entries()) << "step " << step;
     ASSERT_EQ(index.source_entries(slot), ref.sources[slot].held.size()) << "step " << step;
+    // The kept count of holder-list bytes (slots 64, 130 and 200, second pool holders).
+    ASSERT_EQ(index.MemoryBytes(), index.MemoryBytesByWalk()) << "step " << step;
     for (int q = 0; q < 4; ++q) {
       const auto& chain = chains[pick(chains.size())];
       std::vector<BlockHash> query(chain.begin(), chain.begin() + static_cast<ptrdiff_t>(1 + pick(chain.size())));
@@ -461,6 +463,7 @@ TEST(KvIndexTest, DroppingASourceRemovesExactlyItsEntriesAfterChurnAndPruning) {
       EXPECT_TRUE(Held(index, slot).empty()) << "entries of the source outlived the drop";
       EXPECT_EQ(index.source_entries(slot), 0u);
       EXPECT_EQ(index.entries(), entries - Pairs(before[slot]));
+      EXPECT_EQ(index.MemoryBytes(), index.MemoryBytesByWalk());  // with pruning in the churn
       for (SourceSlot s : slots) {
         if (s == slot) continue;
         ASSERT_EQ(Held(index, s), before[s]) << "dropping the source changed slot " << s;

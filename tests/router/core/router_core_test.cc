@@ -626,6 +626,20 @@ TEST_F(RouterCoreTest, ReRegisterResetsEntriesAndSequence) {
   EXPECT_EQ(core_->FindRegistration("w1").status().code(), absl::StatusCode::kNotFound);
 }
 
+// A router that restarts numbers its registrations afresh: a number a source got from
+// the previous process (kept by a late Unregister) must not name its new registration.
+TEST_F(RouterCoreTest, RegistrationNumbersOfTwoRouterProcessesDiffer) {
+  MakeDefault(PolicyKind::kCacheAware);
+  Worker("w0");
+  const auto first = core_->FindRegistration("w0");
+  MakeDefault(PolicyKind::kCacheAware);  // the same options: a restarted router
+  Worker("w0");
+  const auto second = core_->FindRegistration("w0");
+  ASSERT_TRUE(first.ok() && second.ok());
+  EXPECT_NE(first->id, second->id);
+  EXPECT_GE(first->id, uint64_t{1} << 40);
+}
+
 TEST(RouterCoreCreateTest, RejectsUnknownModelsAndBadOptions) {
   RouterOptions o;
   o.models = {"nope"};

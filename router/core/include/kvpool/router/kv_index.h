@@ -156,8 +156,12 @@ class KvIndex {
   bool stale(SourceSlot slot) const;
   uint64_t pruned_entries() const { return pruned_; }
   size_t max_entries() const { return options_.max_entries; }
-  // Memory the index uses: table slots + out-of-line holder lists. O(blocks).
+  // Memory the index uses: table slots + out-of-line holder lists. O(1): the lists'
+  // bytes are kept up to date as they change (GetStats and metric scrapes read this
+  // under the router's lock, which Route needs too).
   size_t MemoryBytes() const;
+  // The same by walking every block (tests compare the two). O(blocks).
+  size_t MemoryBytesByWalk() const;
 
  private:
   struct GpuWord {
@@ -207,6 +211,15 @@ class KvIndex {
   bool RemoveHolder(Entry& e, SourceSlot slot, Tier tier);
   int RemoveAllHolders(Entry& e, SourceSlot slot);  // (source, tier) pairs removed
   static void FixPool(Entry& e);  // refills pool_slot from the spill, recomputes all_pool_tiers
+  static size_t SpillBytes(const Entry& e);  // heap bytes of e's spill
+  // Runs change() (which may grow, shrink or drop e's spill) and keeps spill_bytes_ true.
+  template <typename F>
+  auto TrackSpill(Entry& e, F&& change) {
+    const size_t before = SpillBytes(e);
+    auto result = change();
+    spill_bytes_ = spill_bytes_ - before + SpillBytes(e);
+    return result;
+  }
   static bool HasGpu(const Entry& e, SourceSlot slot);
   // Calls f(slot) for each GPU holder, then each DRAM/NVMe holder (f(slot, tiers)).
   template <typename G, typename P>
@@ -218,6 +231,7 @@ class KvIndex {
   Map map_;
   std::vector<SourceState> sources_;  // by slot
   size_t entries_ = 0;
+  size_t spill_bytes_ = 0;  // SpillBytes summed over the entries
   // FindMatches scratch: the entries along the walk, and the blocks where GPU holders drop.
   struct Drop {
     uint32_t block;

@@ -182,8 +182,9 @@ class RouterCore {
   // Adds a source, or restarts it (entries, sequence and decisions reset).
   absl::Status Register(const SourceInfo& info, absl::Time now);
   // One registration of a source. Register numbers each one, never reusing a number (slots
-  // are reused), so work queued for a source can tell whether the source has registered
-  // again since: events of the previous incarnation must not apply to the new one.
+  // are reused; numbers of different router processes start far apart at random), so
+  // work queued for a source can tell whether the source has registered again since:
+  // events of the previous incarnation must not apply to the new one.
   struct Registration {
     uint64_t id = 0;  // > 0
     SourceKind kind = SourceKind::kWorker;
@@ -270,7 +271,10 @@ class RouterCore {
   uint64_t events_applied_ = 0;
   uint64_t full_dumps_requested_ = 0;
   uint64_t dropped_sources_ = 0;
-  uint64_t registrations_ = 0;  // the last Registration::id given out
+  // The last Registration::id given out. Starts at a random point in [2^40, 2^62) per
+  // router process, so that a number from an earlier process (an Unregister or a stream
+  // that outlived a router restart) does not name a registration of this one.
+  uint64_t registrations_ = 0;
   // Scratch reused across Route calls (no allocation in the steady state).
   MatchResult match_;
   std::vector<Candidate> cands_;
