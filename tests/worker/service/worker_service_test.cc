@@ -770,6 +770,46 @@ TEST(WorkerService, CancelledClientAbortsItsRequest) {
   EXPECT_TRUE(w.Generate(RandomTokens(rng, 20, 512), 2).ok());
 }
 
+// A request that must wait behind a running one (max_running 1) is fetched from the
+// pool when it can start, not when it arrives: blocks fetched at arrival sat in the
+// cache as free blocks, the running request's decode took their pages, and the
+// request recomputed what it had fetched.
+TEST(WorkerService, APoolFetchWaitsUntilItsRequestCanStart) {
+  Cluster cl("fetch-when-runnable");
+  const std::string a = cl.StartNode("pool-a", 32 << 20, 0);
+  ASSERT_FALSE(a.empty());
+  std::mt19937 rng(23);
+  const Tokens prompt = Concat(RandomTokens(rng, 64, 512), RandomTokens(rng, 3, 512));  // 4 blocks + 3
+  WorkerConfig wa;
+  wa.instance_id = "worker-a";
+  wa.pool_nodes = {a};
+  Client worker_a(cl.StartWorker(wa));
+  const absl::StatusOr<Answer> want = worker_a.Generate(prompt, 2);  // write-through: 4 blocks in the pool
+  ASSERT_TRUE(want.ok()) << want.status();
+
+  WorkerConfig wb = wa;
+  wb.instance_id = "worker-b";
+  wb.max_running = 1;
+  // 66 pages: the long request below reserves 64, so 4 fetched blocks left as free
+  // cache beside it would lose 2 pages to its decode.
+  wb.num_blocks = 67;
+  wb.fetch = "always";
+  Client worker_b(cl.StartWorker(wb));
+  absl::StatusOr<Answer> long_answer = absl::UnknownError("not run");
+  std::thread long_request([&] { long_answer = worker_b.Generate(RandomTokens(rng, 16, 512), 1000); });
+  for (int i = 0; i < 2000 && worker_b.Stats().load().running_requests() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  const absl::StatusOr<Answer> got = worker_b.Generate(prompt, 2);
+  long_request.join();
+  ASSERT_TRUE(long_answer.ok()) << long_answer.status();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->output, want->output);
+  EXPECT_EQ(got->digest, want->digest);
+  EXPECT_EQ(got->resp.pool_hit_tokens(), 64u) << "fetched blocks were evicted before the request started";
+  EXPECT_EQ(got->resp.recomputed_tokens(), 3u);
+}
+
 // Polls the router until its in-flight decisions for `instance` reach `want`.
 uint64_t WaitInflight(router::RouterClient& rc, const std::string& instance, uint64_t want) {
   uint64_t n = UINT64_MAX;

@@ -138,47 +138,62 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const ModelSpec
 }
 
 absl::StatusOr<SequenceId> ModelRunner::AddSequence(GenerateRequest request) {
-  RETURN_IF_ERROR(CheckUsable());
+  RETURN_IF_ERROR(CheckSequence(request.prompt_tokens, request.max_new_tokens));
   const int64_t n = static_cast<int64_t>(request.prompt_tokens.size());
+  auto seq = std::make_unique<Sequence>();
+  seq->id = next_id_++;
+  seq->tokens = request.prompt_tokens;
+  seq->request = std::move(request);
+  seq->result.prompt_tokens = n;
+  seq->reserved_pages = PagesNeeded(n, seq->request.max_new_tokens);
+  const SequenceId id = seq->id;
+  waiting_.push_back(std::move(seq));
+  return id;
+}
+
+bool ModelRunner::HasRoomFor(int64_t prompt_tokens, int64_t max_new_tokens) const {
+  if (running_.empty() && waiting_.empty()) return true;  // a lone sequence always starts (or fails alone)
+  if (running_.size() + waiting_.size() >= static_cast<size_t>(options_.max_running)) return false;
+  if (spec_.IsHybrid() && free_state_slots_.size() <= waiting_.size()) return false;
+  int64_t reserved = reserved_pages_;
+  for (const auto& seq : waiting_) reserved += seq->reserved_pages;
+  return reserved + PagesNeeded(prompt_tokens, max_new_tokens) <= options_.num_blocks - 1;
+}
+
+absl::Status ModelRunner::CheckSequence(std::span<const TokenId> prompt, int64_t max_new_tokens) const {
+  RETURN_IF_ERROR(CheckUsable());
+  const int64_t n = static_cast<int64_t>(prompt.size());
   if (n == 0) {
     return absl::InvalidArgumentError(
         "prompt_tokens is empty; a request needs at least one prompt token");
   }
   for (int64_t i = 0; i < n; ++i) {
-    const TokenId t = request.prompt_tokens[static_cast<size_t>(i)];
+    const TokenId t = prompt[static_cast<size_t>(i)];
     if (t >= static_cast<TokenId>(spec_.vocab_size)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "prompt_tokens[", i, "]=", t, " is out of range: model '", spec_.name,
           "' has vocab_size=", spec_.vocab_size, "; use ids 0..", spec_.vocab_size - 1));
     }
   }
-  if (request.max_new_tokens < 0) {
+  if (max_new_tokens < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "max_new_tokens=", request.max_new_tokens, " must be >= 0 (0: prefill only)"));
+        "max_new_tokens=", max_new_tokens, " must be >= 0 (0: prefill only)"));
   }
-  const int64_t total = n + request.max_new_tokens;
+  const int64_t total = n + max_new_tokens;
   if (total > options_.max_model_len) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "prompt_tokens (", n, ") + max_new_tokens (", request.max_new_tokens, ") = ", total,
+        "prompt_tokens (", n, ") + max_new_tokens (", max_new_tokens, ") = ", total,
         " exceeds max_model_len=", options_.max_model_len,
         "; shorten the prompt or lower max_new_tokens"));
   }
-  const int64_t need = PagesNeeded(n, request.max_new_tokens);
+  const int64_t need = PagesNeeded(n, max_new_tokens);
   if (need > options_.num_blocks - 1) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "prompt_tokens (", n, ") + max_new_tokens (", request.max_new_tokens, ") need ", need,
+        "prompt_tokens (", n, ") + max_new_tokens (", max_new_tokens, ") need ", need,
         " pages but the arena has ", options_.num_blocks - 1,
         "; raise num_blocks or shorten the request"));
   }
-  auto seq = std::make_unique<Sequence>();
-  seq->id = next_id_++;
-  seq->tokens = request.prompt_tokens;
-  seq->request = std::move(request);
-  seq->result.prompt_tokens = n;
-  seq->reserved_pages = need;
-  const SequenceId id = seq->id;
-  waiting_.push_back(std::move(seq));
-  return id;
+  return absl::OkStatus();
 }
 
 int64_t ModelRunner::PagesNeeded(int64_t prompt_tokens, int64_t max_new_tokens) const {

@@ -205,14 +205,15 @@ void Engine::Loop() {
     std::deque<std::unique_ptr<Pending>> incoming;
     {
       absl::MutexLock l(&mu_);
-      const bool busy = !running_.empty();
+      const bool busy = !running_.empty() || !backlog_.empty();
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !queue_.empty(); };
       if (!busy) mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(100));
       if (stop_) break;
       incoming.swap(queue_);
     }
-    for (auto& p : incoming) Admit(std::move(p));
+    TakeIncoming(std::move(incoming));
     DropCancelled();
+    AdmitBacklog();
     if (runner_ != nullptr && runner_->NumUnfinished() > 0) StepOnce();
     if (cfg_.offload == OffloadMode::kWriteThrough) OffloadWriteThrough();
     if (cfg_.offload == OffloadMode::kWriteBack) ResolvePages();
@@ -228,6 +229,8 @@ void Engine::FailAll(const absl::Status& why) {
     q.swap(queue_);
   }
   for (auto& p : q) Answer(*p, why);
+  for (auto& p : backlog_) Answer(*p, why);
+  backlog_.clear();
   for (auto& [id, p] : running_) {
     if (runner_ != nullptr) runner_->Abort(id).IgnoreError();
     Answer(*p, why);
@@ -236,6 +239,15 @@ void Engine::FailAll(const absl::Status& why) {
 }
 
 void Engine::DropCancelled() {
+  for (auto it = backlog_.begin(); it != backlog_.end();) {
+    if (!(*it)->Cancelled()) {
+      ++it;
+      continue;
+    }
+    std::unique_ptr<Pending> p = std::move(*it);
+    it = backlog_.erase(it);
+    Answer(*p, absl::CancelledError("the client cancelled the request or its deadline passed"));
+  }
   for (auto it = running_.begin(); it != running_.end();) {
     if (!it->second->Cancelled()) {
       ++it;
@@ -263,6 +275,32 @@ void Engine::Answer(Pending& p, absl::StatusOr<v1::GenerateResponse> r) {
   ReleaseDecision(p);
   if (!r.ok()) m_failed_->Increment();
   p.done(std::move(r));
+}
+
+void Engine::TakeIncoming(std::deque<std::unique_ptr<Pending>> incoming) {
+  for (auto& p : incoming) {
+    if (runner_ != nullptr) {
+      const absl::Status bad = runner_->CheckSequence(p->req.tokens, p->req.max_new_tokens);
+      if (!bad.ok()) {
+        Answer(*p, bad);
+        continue;
+      }
+    }
+    backlog_.push_back(std::move(p));
+  }
+}
+
+void Engine::AdmitBacklog() {
+  while (!backlog_.empty()) {
+    const Pending& head = *backlog_.front();
+    if (runner_ != nullptr &&
+        !runner_->HasRoomFor(static_cast<int64_t>(head.req.tokens.size()), head.req.max_new_tokens)) {
+      return;  // FIFO: later ones wait behind it
+    }
+    std::unique_ptr<Pending> p = std::move(backlog_.front());
+    backlog_.pop_front();
+    Admit(std::move(p));
+  }
 }
 
 void Engine::Admit(std::unique_ptr<Pending> p) {
@@ -720,10 +758,12 @@ void Engine::UpdateLoad() {
   }
   const double usage = u.total_blocks > 0 ? static_cast<double>(u.used_blocks) / u.total_blocks : 0;
   m_usage_->Set(usage);
+  for (const auto& p : backlog_) queued_tokens += p->req.tokens.size();
   absl::MutexLock l(&mu_);
   for (const auto& p : queue_) queued_tokens += p->req.tokens.size();
   load_.set_running_requests(static_cast<uint32_t>(running_.size()) - static_cast<uint32_t>(waiting_runner));
-  load_.set_waiting_requests(static_cast<uint32_t>(waiting_runner + static_cast<int>(queue_.size())));
+  load_.set_waiting_requests(
+      static_cast<uint32_t>(waiting_runner + static_cast<int>(backlog_.size()) + static_cast<int>(queue_.size())));
   load_.set_queued_prefill_tokens(queued_tokens);
   load_.set_kv_usage(usage);
   stats_.set_kv_usage(usage);

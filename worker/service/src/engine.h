@@ -164,6 +164,14 @@ class Engine : public cache::KvEventSink {
 
   explicit Engine(EngineConfig config, MetricsRegistry* metrics);
   void Loop();
+  // Requests taken from queue_ wait in backlog_ (FIFO) until the runner has room to
+  // start them at the next step (ModelRunner::HasRoomFor); only then are they admitted:
+  // their local hit looked up, their pool blocks fetched, their sequence added. A prefix
+  // fetched for a request that then waited behind running ones would sit in the cache
+  // as free blocks the running sequences' allocations evict: fetched, then recomputed.
+  // Requests the runner would refuse (sizes, token ids) are answered at once.
+  void TakeIncoming(std::deque<std::unique_ptr<Pending>> incoming);
+  void AdmitBacklog();
   void Admit(std::unique_ptr<Pending> p);
   void AdmitAccounting(Pending& p);
   // Looks the prompt's blocks beyond the local hit up in the pool and lands the ones
@@ -175,7 +183,8 @@ class Engine : public cache::KvEventSink {
   void ResolvePages();  // write-back: page of every newly cached object
   void UpdateLoad();
   void FailAll(const absl::Status& why);
-  // Running or runner-queued requests whose caller gave up: aborted, answered CANCELLED.
+  // Backlogged, running or runner-queued requests whose caller gave up: aborted,
+  // answered CANCELLED.
   void DropCancelled();
   // Tells the router its decision for `p` is over: its prefill is done (the router
   // counts the request in the instance's reported load from then on) or it failed.
@@ -193,6 +202,7 @@ class Engine : public cache::KvEventSink {
   const cache::BlockPool* block_pool_ = nullptr;
 
   // Engine thread only.
+  std::deque<std::unique_ptr<Pending>> backlog_;
   absl::flat_hash_map<model::SequenceId, std::unique_ptr<Pending>> running_;
   struct ToOffload {
     BlockHash hash;

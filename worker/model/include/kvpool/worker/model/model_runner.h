@@ -161,6 +161,15 @@ class ModelRunner {
   // --- the engine ------------------------------------------------------------------
   // Validates and queues a request; nothing is computed until Step().
   absl::StatusOr<SequenceId> AddSequence(GenerateRequest request);
+  // AddSequence's checks alone (the same errors), without queueing anything.
+  absl::Status CheckSequence(std::span<const TokenId> prompt, int64_t max_new_tokens) const;
+  // Whether a sequence of this request, added now, would start at the next Step as far
+  // as running slots, KDA state slots and page reservations go (the sequences already
+  // waiting ahead of it counted): a caller that imports a prefix for it first (a pool
+  // fetch) waits until then, since imported blocks are free cached blocks that the
+  // running sequences' allocations may evict while it waits. True when nothing runs or
+  // waits (a lone sequence is always tried).
+  bool HasRoomFor(int64_t prompt_tokens, int64_t max_new_tokens) const;
   // One engine step: admits waiting sequences (FIFO while max_running allows and the
   // pages every admitted sequence may need for prompt + max_new_tokens fit together)
   // and decodes one token for every running one, in one batched forward pass. Returns
