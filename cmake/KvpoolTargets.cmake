@@ -55,6 +55,10 @@ function(kvpool_test name)
   if(ARG_LABELS)
     list(GET ARG_LABELS 0 labels)
   endif()
+  if(labels STREQUAL "core")
+    # scripts/test.sh builds exactly these under ASan (build/<preset>/kvpool-core-tests.txt).
+    set_property(GLOBAL APPEND PROPERTY KVPOOL_CORE_TESTS ${name})
+  endif()
   gtest_discover_tests(${name}
     WORKING_DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR}
     PROPERTIES LABELS "${labels}"

@@ -61,9 +61,9 @@ absl::StatusOr<uint64_t> ParseBytes(absl::string_view text, absl::string_view fi
     return absl::InvalidArgumentError(
         absl::StrCat(field, "='", text, "' must be a non-negative size below 16 EiB (2^64 bytes)"));
   }
-  if (bytes == 0 && v * mult > 0) {
+  if (bytes != v * mult) {  // 1.4 bytes is a typo, not a size (1.5KiB = 1536 is whole)
     return absl::InvalidArgumentError(
-        absl::StrCat(field, "='", text, "' is less than one byte; write a whole number of bytes"));
+        absl::StrCat(field, "='", text, "' is not a whole number of bytes; write a whole number of bytes"));
   }
   return static_cast<uint64_t>(bytes);
 }
@@ -107,6 +107,9 @@ absl::StatusOr<double> ParseNumber(absl::string_view text, absl::string_view fie
   }
   if (!ok) {
     return absl::InvalidArgumentError(absl::StrCat(field, "='", text, "' is not a number"));
+  }
+  if (!std::isfinite(v * mult)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, "='", text, "' is too large (not a finite number)"));
   }
   return v * mult;
 }

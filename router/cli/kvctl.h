@@ -19,11 +19,6 @@ namespace kvpool::kvctl {
 // code: 0 on success, 2 on bad arguments, 1 on other failures.
 int RunKvctl(const std::vector<std::string>& args, std::ostream& out, std::ostream& err);
 
-// What --flops (FLOP/s) and the bandwidth flags (bytes/s) accept: beyond these the cost
-// model's figures overflow to inf or NaN (1e-300 FLOP/s used to print them).
-inline constexpr double kMinFlops = 1e6, kMaxFlops = 1e21;
-inline constexpr double kMinBandwidth = 1e3, kMaxBandwidth = 1e15;
-
 // Streams a subcommand writes to; set by RunKvctl before callbacks run.
 struct Io {
   std::ostream* out;

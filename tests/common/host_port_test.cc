@@ -26,10 +26,33 @@ TEST(HostPort, DialAddresses) {
       {"h:99999", "1..65535"},
       {"h:+80", "1..65535"},
       {"unix:/tmp/s", "1..65535"},  // a client dials host:port
+      {"[:]:1", "not an IPv6 address"},
+      {"[fe80::1%]:80", "not an IPv6 address"},
+      {"999.999.999.999:1", "not an IPv4 address"},
+      {"0127.0.0.1:50051", "not an IPv4 address"},  // octal 87.0.0.1 to some resolvers
+      {"1.2.3:80", "not an IPv4 address"},
+      {"-:1", "starts or ends with '-'"},
+      {"...:1", "not an IPv4 address"},
+      {"a..b:1", "empty label"},
+      {"host-.example:1", "starts or ends with '-'"},
   };
   for (const auto& [addr, why] : bad) {
     EXPECT_NE(HostPortProblem(addr, HostPortUse::kDial).find(why), std::string::npos)
         << addr << ": " << HostPortProblem(addr, HostPortUse::kDial);
+  }
+}
+
+TEST(HostPort, DialTargets) {
+  for (const char* ok : {"10.0.0.5:50051", "unix:/tmp/s", "unix-abstract:x", "dns:router.kvpool.svc:50051",
+                         "dns:router", "dns:///router:50051", "dns://8.8.8.8/router:1", "ipv4:127.0.0.1:5,10.0.0.1:6",
+                         "ipv4:127.0.0.1", "ipv6:[::1]:5", "ipv6:::1", "ipv6:[fe80::1%eth0]:7,[::1]:8"}) {
+    EXPECT_TRUE(CheckDialTarget("--router", ok).ok()) << ok << ": " << CheckDialTarget("--router", ok);
+  }
+  for (const char* bad : {"ipv4:;;;", "ipv4:", "ipv4:1.2.3.4:5,", "ipv4:[::1]:5", "ipv4:host:5", "ipv6:1.2.3.4",
+                          "ipv6:[1.2.3.4]:5", "dns:", "dns:-bad", "dns://auth", "dns:a b", "unix:", "h:0"}) {
+    const absl::Status st = CheckDialTarget("--router", bad);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(st.message().find("--router="), absl::string_view::npos) << st;
   }
 }
 

@@ -42,6 +42,16 @@ TEST(UnitsTest, SizesNearAndAbove64BitsAreExactOrRefused) {
   EXPECT_FALSE(ParseBytes("0.4", "--x").ok());        // less than a byte, not 0
   EXPECT_FALSE(ParseBytes("1e-300GiB", "--x").ok());
   EXPECT_FALSE(ParseRate("1e300TB/s", "--bandwidth").ok());  // inf
+  // Fractions of a byte are typos, not sizes to round.
+  for (const char* frac : {"1.4", "0.6", "2.5", "1.0001KiB"}) {
+    const auto r = ParseBytes(frac, "--dram");
+    ASSERT_FALSE(r.ok()) << frac << " -> " << *r;
+    EXPECT_NE(r.status().message().find("whole number of bytes"), absl::string_view::npos) << r.status();
+  }
+  // Numbers that overflow to infinity are refused, not returned.
+  EXPECT_FALSE(ParseNumber("1e300P", "--flops").ok());
+  EXPECT_FALSE(ParseNumber("-1e308k", "--flops").ok());
+  EXPECT_EQ(*ParseNumber("400T", "--flops"), 400e12);
 }
 
 TEST(UnitsTest, Formats) {

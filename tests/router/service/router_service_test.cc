@@ -718,6 +718,10 @@ TEST(RouterMainTest, NonsenseFlagValuesAreRefusedNamingTheFlag) {
       {{"--ttft-slo", "nan"}, "--ttft-slo=nan must be a finite number"},
       {{"--heartbeat-timeout", "inf"}, "--heartbeat-timeout=inf must be in (0, 86400] seconds"},
       {{"--metrics-port", "-5"}, "--metrics-port=-5 must be -1 (off)"},
+      {{"--pool-dram-bandwidth", "1e-320"}, "--pool-dram-bandwidth='1e-320' is outside 1000..1e+15 bytes/s"},
+      {{"--pool-nvme-bandwidth", "0"}, "--pool-nvme-bandwidth='0' must be > 0"},
+      {{"--flops", "1e-300"}, "--flops='1e-300' is outside 1e+06..1e+21 FLOP/s"},
+      {{"--flops", "12abc"}, "--flops='12abc' has an unknown suffix"},
   };
   for (const auto& [args, want] : cases) {
     auto [rc, err] = RunRouterMainWith(args);

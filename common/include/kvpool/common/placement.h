@@ -1,9 +1,13 @@
 // Placement: which pool node owns a block, without a metadata master.
 //
 // Rendezvous (highest-random-weight) hashing: every node gets a score
-// XXH3-64(block hash, seed = node's id hash) and the block lives on the node with the
-// highest score (and on the next r-1 with replication). Any worker computes the same
-// owners from the same list of live nodes; when a node leaves, only its blocks move.
+// XXH3-64(block hash, seed = hash of the node's name) and the block lives on the node
+// with the highest score (and on the next r-1 with replication). Any process computes
+// the same owners from the same list of names; a name taken out of the list moves only
+// the blocks it owned. kvpool-worker names nodes by their --pool-nodes addresses as
+// written (so every worker must spell them alike) and keeps the whole configured list:
+// a node that stops answering keeps its blocks, which are misses (recomputed) until it
+// is back.
 //
 // Example:
 //   RendezvousRing ring({"node-a", "node-b", "node-c"});
