@@ -35,6 +35,7 @@
 #include "absl/strings/str_cat.h"
 #include "format.h"
 #include "kvctl.h"
+#include "kvpool/common/percentile.h"
 #include "kvpool/common/hash.h"
 #include "kvpool/common/model_spec.h"
 #include "kvpool/router/router_client.h"
@@ -64,11 +65,7 @@ struct LoadArgs {
   bool json = false;
 };
 
-// Nearest-rank percentile of a sorted vector.
-double SortedPercentile(const std::vector<double>& v, double q) {
-  if (v.empty()) return 0;
-  return v[std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size())))];
-}
+double SortedPercentile(const std::vector<double>& v, double q) { return NearestRankSorted(v, q); }
 
 struct Call {
   grpc::ClientContext ctx;
@@ -113,22 +110,30 @@ void RunLoad(LoadArgs a, Io& io) {
   auto spec = ResolveModelSpec(a.model);
   if (!spec.ok()) return fail(absl::StrCat("--model: ", spec.status().message()), 2);
 
-  // Simulated instances, heartbeating until the run ends.
+  // Simulated instances, heartbeating until the run ends (registered again if the
+  // router forgot them), then unregistered: a router must not keep routing to their
+  // .invalid addresses after kvctl exits.
   std::unique_ptr<router::RouterClient> control;
-  std::atomic<bool> stop_heartbeats{false};
-  std::thread heartbeats;
-  struct JoinOnExit {
-    std::atomic<bool>& stop;
-    std::thread& t;
-    ~JoinOnExit() {
+  struct SimInstances {
+    router::RouterClient* router = nullptr;
+    std::vector<v1::RegisterRequest> requests;
+    std::vector<uint64_t> registrations;  // 0: not registered
+    std::atomic<bool> stop{false};
+    std::thread heartbeats;
+    ~SimInstances() {
       stop = true;
-      if (t.joinable()) t.join();
+      if (heartbeats.joinable()) heartbeats.join();
+      for (size_t k = 0; k < requests.size(); ++k) {
+        if (registrations[k] != 0) (void)router->Unregister(requests[k].source_id(), registrations[k]);
+      }
     }
-  } join_heartbeats{stop_heartbeats, heartbeats};
+  } sims;
   if (a.sim_instances > 0) {
     auto c = router::RouterClient::Connect(a.router, absl::Seconds(5));
     if (!c.ok()) return fail(c.status().message(), 1);
     control = *std::move(c);
+    sims.router = control.get();
+    sims.registrations.assign(static_cast<size_t>(a.sim_instances), 0);
     for (int k = 0; k < a.sim_instances; ++k) {
       v1::RegisterRequest r;
       r.set_source_id(absl::StrCat("kvctl-load-sim-", k));
@@ -138,17 +143,25 @@ void RunLoad(LoadArgs a, Io& io) {
       r.mutable_model()->set_name(spec->name);
       r.set_capacity_blocks(1 << 16);
       r.set_publishes_events(false);
+      sims.requests.push_back(r);
       auto st = control->Register(r);
       if (!st.ok()) return fail(absl::StrCat("--sim-instances: Register: ", st.status().message()), 1);
+      sims.registrations[static_cast<size_t>(k)] = st->registration();
     }
-    heartbeats = std::thread([&] {
-      while (!stop_heartbeats.load()) {
-        for (int k = 0; k < a.sim_instances; ++k) {
+    sims.heartbeats = std::thread([&sims] {
+      while (!sims.stop.load()) {
+        for (size_t k = 0; k < sims.requests.size() && !sims.stop.load(); ++k) {
           v1::HeartbeatRequest h;
-          h.set_source_id(absl::StrCat("kvctl-load-sim-", k));
-          (void)control->Heartbeat(h);
+          h.set_source_id(sims.requests[k].source_id());
+          // Short deadlines: a round over many instances must stay well inside the
+          // router's heartbeat timeout. A failed call is retried next round.
+          auto hr = sims.router->Heartbeat(h, absl::Seconds(1));
+          if (hr.ok() && hr->unknown_source()) {
+            auto again = sims.router->Register(sims.requests[k]);
+            if (again.ok()) sims.registrations[k] = again->registration();
+          }
         }
-        for (int t = 0; t < 20 && !stop_heartbeats.load(); ++t) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        for (int t = 0; t < 20 && !sims.stop.load(); ++t) std::this_thread::sleep_for(std::chrono::milliseconds(10));
       }
     });
   }

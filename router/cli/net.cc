@@ -1,10 +1,9 @@
 #include "net.h"
 
-#include <string>
-#include <vector>
+#include <arpa/inet.h>
 
-#include "absl/strings/numbers.h"
-#include "absl/strings/str_split.h"
+#include <cstdint>
+#include <string>
 
 namespace kvpool::kvctl {
 
@@ -16,14 +15,15 @@ bool AllowedHost(absl::string_view hostport) {
     host = host.substr(0, c);
   }
   if (host == "localhost" || host == "::1") return true;
-  std::vector<absl::string_view> parts = absl::StrSplit(host, '.');
-  if (parts.size() != 4) return false;
-  int o[4];
-  for (int i = 0; i < 4; ++i) {
-    if (!absl::SimpleAtoi(parts[static_cast<size_t>(i)], &o[i]) || o[i] < 0 || o[i] > 255) return false;
-  }
-  return o[0] == 127 || o[0] == 10 || (o[0] == 172 && o[1] >= 16 && o[1] <= 31) || (o[0] == 192 && o[1] == 168) ||
-         (o[0] == 169 && o[1] == 254);
+  // inet_pton takes only canonical dotted quads: 0127.0.0.1 or 010.0.0.1 (which a
+  // resolver may read as octal, 87.0.0.1 and 8.0.0.1) are refused, not taken for
+  // loopback or private.
+  in_addr a;
+  if (inet_pton(AF_INET, std::string(host).c_str(), &a) != 1) return false;
+  const uint32_t v = ntohl(a.s_addr);
+  const uint32_t o0 = v >> 24, o1 = (v >> 16) & 0xff;
+  return o0 == 127 || o0 == 10 || (o0 == 172 && o1 >= 16 && o1 <= 31) || (o0 == 192 && o1 == 168) ||
+         (o0 == 169 && o1 == 254);
 }
 
 }  // namespace kvpool::kvctl

@@ -19,6 +19,7 @@
 #include <memory>
 #include <mutex>
 #include <sstream>
+#include <system_error>
 #include <thread>
 
 #include <CLI/CLI.hpp>
@@ -26,9 +27,12 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "format.h"
 #include "kvctl.h"
 #include "net.h"
+#include "kvpool/common/percentile.h"
 #include "kvpool/common/model_spec.h"
 #include "kvpool/common/units.h"
 #include "kvpool/router/router_client.h"
@@ -76,40 +80,53 @@ struct Record {
   uint32_t gpu_hit_tokens = 0, pool_hit_tokens = 0, recomputed_tokens = 0, output_tokens = 0;
 };
 
-double Percentile(std::vector<double> v, double q) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size())))];
-}
+double Percentile(std::vector<double> v, double q) { return NearestRank(v, q); }
 
 // One Worker stub per address; an address that does not answer GetStats is remembered as
 // "no worker" (e.g. simulated instances registered without a server).
 class Workers {
  public:
+  // The stub for `address`, or null while no worker answers there. A failed probe is
+  // tried again 5 s later (a worker slow or restarting at first contact is not written
+  // off for the run); probes run without the lock, so senders to other addresses do
+  // not wait for one.
   v1::Worker::Stub* Get(const std::string& address) {
-    std::lock_guard<std::mutex> l(mu_);
-    auto it = stubs_.find(address);
-    if (it != stubs_.end()) return it->second.get();
-    std::unique_ptr<v1::Worker::Stub> stub;
-    if (!address.empty() && AllowedHost(address)) {
-      grpc::ChannelArguments args;
-      args.SetMaxReceiveMessageSize(64 << 20);
-      auto ch = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
-      auto s = v1::Worker::NewStub(ch);
-      grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-      v1::GetWorkerStatsRequest req;
-      v1::WorkerStats stats;
-      if (s->GetStats(&ctx, req, &stats).ok()) stub = std::move(s);
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      auto it = stubs_.find(address);
+      if (it != stubs_.end() && (it->second.stub != nullptr || absl::Now() < it->second.retry_at)) {
+        return it->second.stub.get();
+      }
     }
-    v1::Worker::Stub* p = stub.get();
-    stubs_[address] = std::move(stub);
-    return p;
+    std::unique_ptr<v1::Worker::Stub> probed = Probe(address);
+    std::lock_guard<std::mutex> l(mu_);
+    Entry& e = stubs_[address];
+    if (e.stub == nullptr) {  // (another thread's probe may have won meanwhile)
+      e.stub = std::move(probed);
+      if (e.stub == nullptr) e.retry_at = absl::Now() + absl::Seconds(5);
+    }
+    return e.stub.get();
   }
 
  private:
+  static std::unique_ptr<v1::Worker::Stub> Probe(const std::string& address) {
+    if (address.empty() || !AllowedHost(address)) return nullptr;
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(64 << 20);
+    auto ch = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+    auto s = v1::Worker::NewStub(ch);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    v1::GetWorkerStatsRequest req;
+    v1::WorkerStats stats;
+    return s->GetStats(&ctx, req, &stats).ok() ? std::move(s) : nullptr;
+  }
+  struct Entry {
+    std::unique_ptr<v1::Worker::Stub> stub;  // set once, never replaced (callers keep the pointer)
+    absl::Time retry_at;
+  };
   std::mutex mu_;
-  std::map<std::string, std::unique_ptr<v1::Worker::Stub>> stubs_;
+  std::map<std::string, Entry> stubs_;
 };
 
 void RunReplay(const ReplayArgs& a, Io& io) {
@@ -128,6 +145,10 @@ void RunReplay(const ReplayArgs& a, Io& io) {
   if (!spec.ok()) return fail(absl::StrCat("--model: ", spec.status().message()), 2);
   auto t = trace::LoadTrace(a.trace, {.trace_block_tokens = a.trace_block_tokens, .strict = a.strict, .limit = a.limit});
   if (!t.ok()) return fail(t.status().message(), t.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1);
+  if (t->limited) {
+    *io.err << "kvctl replay: --limit " << a.limit << ": using the first " << a.limit
+            << " valid lines of " << a.trace << " (it has more)\n";
+  }
   for (size_t i = 0; i < t->issues.size() && i < 10; ++i) {
     *io.err << "kvctl replay: " << a.trace << ":" << t->issues[i].line << ": skipped: " << t->issues[i].reason << "\n";
   }
@@ -140,6 +161,7 @@ void RunReplay(const ReplayArgs& a, Io& io) {
   const uint32_t vocab = static_cast<uint32_t>(std::max(1, spec->vocab_size));
   std::vector<Record> records(reqs.size());
   Workers workers;
+  std::atomic<uint64_t> generate_skipped{0};
   std::atomic<size_t> next{0}, done{0}, errors{0};
   std::atomic<bool> stop{false};
   const auto start = Clock::now();
@@ -181,7 +203,10 @@ void RunReplay(const ReplayArgs& a, Io& io) {
     r.pool_hit_blocks = rr->pool_hit_blocks();
     r.ok = true;
     v1::Worker::Stub* w = workers.Get(rr->instance_address());
-    if (w == nullptr) return;
+    if (w == nullptr) {
+      ++generate_skipped;  // routed to an instance no worker answers for (yet)
+      return;
+    }
     v1::GenerateRequest g;
     g.set_request_id(absl::StrCat("replay-", i));
     g.mutable_tokens()->Add(tokens.begin(), tokens.end());
@@ -213,24 +238,33 @@ void RunReplay(const ReplayArgs& a, Io& io) {
   std::vector<std::thread> threads;
   const int n_threads = std::max(1, std::min<int>(a.concurrency, static_cast<int>(reqs.size())));
   for (int k = 0; k < n_threads; ++k) {
-    threads.emplace_back([&] {
-      for (;;) {
-        if (stop.load()) return;
-        const size_t i = next.fetch_add(1);
-        if (i >= reqs.size()) return;
-        // An exception must not escape a std::thread (std::terminate): record it instead.
-        try {
-          send(i);
-        } catch (const std::exception& e) {
-          records[i].sent = true;
-          records[i].ok = false;
-          records[i].error = absl::StrCat("replay: ", e.what());
-          records[i].error_kind = "replay exception";
-          ++errors;
+    // A thread that cannot be created (a process or memory limit at --concurrency 1024)
+    // must not unwind past the ones running (std::terminate): go on with those.
+    try {
+      threads.emplace_back([&] {
+        for (;;) {
+          if (stop.load()) return;
+          const size_t i = next.fetch_add(1);
+          if (i >= reqs.size()) return;
+          // An exception must not escape a std::thread (std::terminate): record it instead.
+          try {
+            send(i);
+          } catch (const std::exception& e) {
+            records[i].sent = true;
+            records[i].ok = false;
+            records[i].error = absl::StrCat("replay: ", e.what());
+            records[i].error_kind = "replay exception";
+            ++errors;
+          }
+          done.fetch_add(1);
         }
-        done.fetch_add(1);
-      }
-    });
+      });
+    } catch (const std::system_error& e) {
+      if (threads.empty()) return fail(absl::StrCat("cannot start a sender thread: ", e.what()), 1);
+      *io.err << "kvctl replay: started " << threads.size() << " of " << n_threads << " sender threads ("
+              << e.what() << "); going on with those\n";
+      break;
+    }
   }
   // Progress: a bar on a terminal, plain periodic lines otherwise.
   const bool tty = io.err == &std::cerr && isatty(STDERR_FILENO);
@@ -308,6 +342,8 @@ void RunReplay(const ReplayArgs& a, Io& io) {
   j["trace"] = a.trace;
   j["requests"] = sent;
   j["skipped_trace_lines"] = t->issues.size();
+  j["limited_by_limit"] = t->limited;  // --limit cut the trace
+  j["generate_skipped"] = generate_skipped.load();  // routed, but no worker answered at that address
   j["errors"] = errors.load();
   j["error_kinds"] = error_counts;
   j["wall_s"] = wall;
@@ -377,6 +413,10 @@ void RunReplay(const ReplayArgs& a, Io& io) {
         << FormatSeconds(pf / nw) << " + recompute " << FormatSeconds(rc / nw) << "\n";
   } else {
     out << "  workers   none answered kvpool.v1.Worker (route-only replay)\n";
+  }
+  if (generate_skipped.load() > 0 && !ttft.empty()) {
+    out << "  skipped   " << generate_skipped.load()
+        << " requests routed to an address no kvpool.v1.Worker answered at (Generate not sent)\n";
   }
   out << "  load      requests max/mean " << Fixed(req_max, 0) << " / " << Fixed(req_mean, 1) << "  prompt tokens max/mean "
       << Fixed(tok_max, 0) << " / " << Fixed(tok_mean, 1) << "\n";

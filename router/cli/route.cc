@@ -27,19 +27,29 @@ absl::string_view TierName(v1::Tier t) {
   }
 }
 
-// "1,2,3" or ranges "0-1023" (inclusive), mixed: "5,10-12".
+// "1,2,3" or ranges "0-1023" (inclusive), mixed: "5,10-12". At most 2^24 tokens in
+// all (a RouteRequest's limit), counted before any is built.
 absl::Status ParseTokens(const std::vector<std::string>& items, v1::RouteRequest* req) {
+  constexpr uint64_t kMaxTokens = uint64_t{1} << 24;
+  uint64_t total = 0;
   for (const std::string& item : items) {
     std::vector<std::string> ab = absl::StrSplit(item, '-');
     uint32_t a = 0, b = 0;
-    if (ab.size() == 1 && absl::SimpleAtoi(ab[0], &a)) {
+    const bool one = ab.size() == 1 && absl::SimpleAtoi(ab[0], &a);
+    const bool range = ab.size() == 2 && absl::SimpleAtoi(ab[0], &a) && absl::SimpleAtoi(ab[1], &b) && a <= b;
+    if (!one && !range) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--tokens: \"", item, "\" is not a token id or a range A-B (A <= B) of uint32 ids"));
+    }
+    total += range ? uint64_t{b} - a + 1 : 1;
+    if (total > kMaxTokens) {
+      return absl::InvalidArgumentError(absl::StrCat("--tokens: more than 2^24 (", kMaxTokens,
+                                                     ") tokens in all, a route request's limit; give fewer"));
+    }
+    if (one) {
       req->add_tokens(a);
-    } else if (ab.size() == 2 && absl::SimpleAtoi(ab[0], &a) && absl::SimpleAtoi(ab[1], &b) && a <= b &&
-               b - a < (1u << 24)) {
-      for (uint64_t t = a; t <= b; ++t) req->add_tokens(static_cast<uint32_t>(t));
     } else {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--tokens: \"", item, "\" is not a token id or a range A-B of uint32 ids"));
+      for (uint64_t t = a; t <= b; ++t) req->add_tokens(static_cast<uint32_t>(t));
     }
   }
   return absl::OkStatus();
@@ -88,7 +98,8 @@ void RunRoute(const RouteArgs& a, Io& io) {
   auto client = router::RouterClient::Connect(a.router);
   if (!client.ok()) {
     *io.err << "kvctl route: " << client.status().message() << "\n";
-    io.exit_code = 1;
+    // A malformed --router is a bad argument (2); an unreachable router is not (1).
+    io.exit_code = client.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
     return;
   }
   auto r = (*client)->Route(req);

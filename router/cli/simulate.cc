@@ -173,6 +173,10 @@ void RunSimulate(SimulateArgs& a, Io& io) {
   }
   auto t = trace::LoadTrace(a.trace, {.trace_block_tokens = a.trace_block_tokens, .strict = a.strict, .limit = a.limit});
   if (!t.ok()) return fail(t.status(), t.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1);
+  if (t->limited) {
+    *io.err << "kvctl simulate: --limit " << a.limit << ": using the first " << a.limit
+            << " valid lines of " << a.trace << " (it has more)\n";
+  }
   for (size_t i = 0; i < t->issues.size() && i < 10; ++i) {
     *io.err << "kvctl simulate: " << a.trace << ":" << t->issues[i].line << ": skipped: " << t->issues[i].reason << "\n";
   }

@@ -1,4 +1,5 @@
 #include "kvpool/common/units.h"
+#include "kvpool/common/percentile.h"
 
 #include <gtest/gtest.h>
 
@@ -60,6 +61,20 @@ TEST(UnitsTest, Formats) {
   EXPECT_EQ(FormatRate(64e9), "64.00 GB/s");
   EXPECT_EQ(FormatSeconds(2.896), "2.896 s");
   EXPECT_EQ(FormatSeconds(0.0336), "33.60 ms");
+}
+
+// Nearest rank: ceil(q n)-th smallest (p50 of two samples is the smaller one, p99 of
+// 100 the 99th, not the largest).
+TEST(Percentile, NearestRank) {
+  std::vector<double> two = {2, 1};
+  EXPECT_EQ(NearestRank(two, 0.5), 1);
+  std::vector<double> hundred;
+  for (int i = 100; i >= 1; --i) hundred.push_back(i);
+  EXPECT_EQ(NearestRank(hundred, 0.99), 99);
+  EXPECT_EQ(NearestRank(hundred, 1.0), 100);
+  EXPECT_EQ(NearestRank(hundred, 0.0), 1);
+  EXPECT_EQ(NearestRankSorted({1, 2, 3}, 0.5), 2);
+  EXPECT_EQ(NearestRankSorted({}, 0.5), 0);
 }
 
 }  // namespace

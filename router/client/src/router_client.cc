@@ -48,13 +48,25 @@ absl::StatusOr<v1::RegisterResponse> RouterClient::Register(const v1::RegisterRe
   return resp;
 }
 
-absl::StatusOr<v1::HeartbeatResponse> RouterClient::Heartbeat(const v1::HeartbeatRequest& req) {
+absl::StatusOr<v1::HeartbeatResponse> RouterClient::Heartbeat(const v1::HeartbeatRequest& req,
+                                                               absl::Duration deadline) {
   grpc::ClientContext ctx;
-  ctx.set_deadline(Deadline(absl::Seconds(10)));
+  ctx.set_deadline(Deadline(deadline));
   v1::HeartbeatResponse resp;
   grpc::Status s = stub_->Heartbeat(&ctx, req, &resp);
   if (!s.ok()) return FromGrpcStatus(s);
   return resp;
+}
+
+absl::Status RouterClient::Unregister(const std::string& source_id, uint64_t registration, absl::Duration deadline) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline(deadline));
+  v1::UnregisterRequest req;
+  req.set_source_id(source_id);
+  req.set_registration(registration);
+  v1::UnregisterResponse resp;
+  grpc::Status s = stub_->Unregister(&ctx, req, &resp);
+  return s.ok() ? absl::OkStatus() : FromGrpcStatus(s);
 }
 
 absl::StatusOr<v1::RouterStats> RouterClient::GetStats() {

@@ -1,3 +1,4 @@
+#include "kvpool/common/percentile.h"
 #include "kvpool/router/sim.h"
 
 #include <algorithm>
@@ -124,12 +125,7 @@ struct Event {
   bool operator>(const Event& o) const { return t != o.t ? t > o.t : seq > o.seq; }
 };
 
-double Percentile(std::vector<double>& v, double q) {
-  if (v.empty()) return 0;
-  const size_t k = std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size())));
-  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(k), v.end());
-  return v[k];
-}
+double Percentile(std::vector<double>& v, double q) { return NearestRank(v, q); }
 
 class Simulation {
  public:

@@ -65,8 +65,9 @@ absl::StatusOr<TraceRequest> ParseTraceLine(absl::string_view line, int64_t line
   r.line = line_no;
   auto ts = j.find("timestamp");
   if (ts == j.end()) return Bad("missing field timestamp (arrival in ms)");
-  if (!ts->is_number() || !std::isfinite(ts->get<double>()) || ts->get<double>() < 0) {
-    return Bad(absl::StrCat("timestamp=", ts->dump(), " must be a number of ms >= 0"));
+  if (!ts->is_number() || !std::isfinite(ts->get<double>()) || ts->get<double>() < 0 ||
+      ts->get<double>() > kMaxTraceTimestampMs) {
+    return Bad(absl::StrCat("timestamp=", ts->dump(), " must be a number of ms in 0..", kMaxTraceTimestampMs));
   }
   r.timestamp_ms = ts->get<double>();
   auto in = j.find("input_length");
@@ -80,19 +81,23 @@ absl::StatusOr<TraceRequest> ParseTraceLine(absl::string_view line, int64_t line
   }
   auto out = j.find("output_length");
   if (out == j.end()) return Bad("missing field output_length (generated tokens)");
-  if (!AsCount(*out, &r.output_length)) {
-    return Bad(absl::StrCat("output_length=", out->dump(), " must be an integer >= 0"));
+  if (!AsCount(*out, &r.output_length) || r.output_length > kMaxTraceOutputTokens) {
+    return Bad(absl::StrCat("output_length=", out->dump(), " must be an integer in 0..", kMaxTraceOutputTokens));
   }
   auto ids = j.find("hash_ids");
   if (ids == j.end()) return Bad("missing field hash_ids (one id per trace block)");
   if (!ids->is_array()) return Bad("hash_ids must be an array of non-negative integers");
   r.hash_ids.reserve(ids->size());
   for (size_t i = 0; i < ids->size(); ++i) {
+    const json& id = (*ids)[i];
     int64_t v = 0;
-    if (!AsCount((*ids)[i], &v)) {
-      return Bad(absl::StrCat("hash_ids[", i, "]=", (*ids)[i].dump(), " must be a non-negative integer"));
+    if (id.is_number_unsigned()) {  // the whole 64-bit range (ids may be hashes)
+      r.hash_ids.push_back(id.get<uint64_t>());
+    } else if (AsCount(id, &v)) {
+      r.hash_ids.push_back(static_cast<uint64_t>(v));
+    } else {
+      return Bad(absl::StrCat("hash_ids[", i, "]=", id.dump(), " must be an integer in 0..2^64-1"));
     }
-    r.hash_ids.push_back(static_cast<uint64_t>(v));
   }
   // ceil without forming input_length + trace_block_tokens - 1 (no overflow for any sizes).
   const int64_t want = r.input_length / trace_block_tokens + (r.input_length % trace_block_tokens != 0 ? 1 : 0);
@@ -126,7 +131,10 @@ absl::StatusOr<Trace> ParseTrace(std::istream& in, const ParseOptions& options) 
       continue;
     }
     t.requests.push_back(*std::move(r));
-    if (options.limit != 0 && t.requests.size() >= options.limit) break;
+    if (options.limit != 0 && t.requests.size() >= options.limit) {
+      t.limited = in.peek() != std::char_traits<char>::eof();
+      break;
+    }
   }
   std::stable_sort(t.requests.begin(), t.requests.end(),
                    [](const TraceRequest& a, const TraceRequest& b) { return a.timestamp_ms < b.timestamp_ms; });

@@ -38,5 +38,26 @@ TEST(RouteArgsTest, UnreachableRouterIsNotABadArgument) {
   EXPECT_EQ(kvctl::RunKvctl({"kvctl", "route", "--router", "127.0.0.1:1", "--tokens", "1,2,3"}, out, err), 1);
 }
 
+TEST(RouteArgsTest, BadRouterAndTokenArgumentsExitTwo) {
+  {
+    std::ostringstream out, err;
+    EXPECT_EQ(kvctl::RunKvctl({"kvctl", "route", "--router", "", "--tokens", "1"}, out, err), 2) << err.str();
+  }
+  {
+    // Each range fits, their sum does not: refused before 2^26 tokens are built.
+    std::ostringstream out, err;
+    EXPECT_EQ(kvctl::RunKvctl({"kvctl", "route", "--router", "127.0.0.1:1", "--tokens", "0-16000000",
+                               "--tokens", "0-16000000"},
+                              out, err),
+              2);
+    EXPECT_TRUE(absl::StrContains(err.str(), "more than 2^24")) << err.str();
+  }
+  {
+    std::ostringstream out, err;
+    EXPECT_EQ(kvctl::RunKvctl({"kvctl", "route", "--router", "127.0.0.1:1", "--tokens", "9-3"}, out, err), 2);
+    EXPECT_TRUE(absl::StrContains(err.str(), "(A <= B)")) << err.str();
+  }
+}
+
 }  // namespace
 }  // namespace kvpool

@@ -91,7 +91,24 @@ INSTANTIATE_TEST_SUITE_P(
         BadLine{"{\"timestamp\": 0, \"input_length\": 16777217, \"output_length\": 1, \"hash_ids\": [5]}",
                 "input_length=16777217 is above the router's limit of 16777216"},
         BadLine{"{\"timestamp\": 0, \"input_length\": 1099511627776, \"output_length\": 1, \"hash_ids\": [1]}",
-                "input_length=1099511627776 is above the router's limit"}));
+                "input_length=1099511627776 is above the router's limit"},
+        // A replay's max_new_tokens would wrap (2^32 -> 0), a simulation's sums overflow.
+        BadLine{"{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 4294967296, \"hash_ids\": [5]}",
+                "output_length=4294967296 must be an integer in 0..16777216"},
+        // A simulation's clock would print 300-digit spans.
+        BadLine{"{\"timestamp\": 1e300, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [5]}",
+                "must be a number of ms in 0..1e+12"},
+        BadLine{"{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [18446744073709551616]}",
+                "hash_ids[0]=1.8446744073709552e+19 must be an integer in 0..2^64-1"}));
+
+// Hash ids use the whole 64-bit range (ids that are hashes, not counters).
+TEST(ParseTrace, HashIdsTakeTheWholeUnsignedRange) {
+  const Trace t = ParseOrDie(
+      "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 1, \"hash_ids\": [18446744073709551615, 9223372036854775808]}\n");
+  ASSERT_EQ(t.requests.size(), 1u) << (t.issues.empty() ? "" : t.issues[0].reason);
+  EXPECT_EQ(t.requests[0].hash_ids[0], ~uint64_t{0});
+  EXPECT_EQ(t.requests[0].hash_ids[1], uint64_t{1} << 63);
+}
 
 TEST(ParseTrace, TruncatedLastLineIsReported) {
   const Trace t = ParseOrDie(
@@ -127,6 +144,8 @@ TEST(ParseTrace, LimitAndBlockSize) {
   const Trace t = ParseOrDie(lines, {.trace_block_tokens = 32, .limit = 2});
   EXPECT_EQ(t.requests.size(), 2u);
   EXPECT_TRUE(t.issues.empty());
+  EXPECT_TRUE(t.limited);  // a line was left unread
+  EXPECT_FALSE(ParseOrDie(lines, {.trace_block_tokens = 32, .limit = 3}).limited);
   const Trace t512 = ParseOrDie(lines);  // 100 tokens need 1 block of 512, not 4
   EXPECT_EQ(t512.requests.size(), 2u);
   EXPECT_EQ(t512.issues.size(), 1u);

@@ -32,7 +32,12 @@ class RouterClient {
 
   absl::StatusOr<v1::RouteResponse> Route(const v1::RouteRequest& req, absl::Duration deadline = absl::Seconds(10));
   absl::StatusOr<v1::RegisterResponse> Register(const v1::RegisterRequest& req);
-  absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& req);
+  absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& req,
+                                                  absl::Duration deadline = absl::Seconds(10));
+  // Drops `source_id` (only its registration `registration` when that is not 0; NOT_FOUND
+  // once the source registered again, or is unknown).
+  absl::Status Unregister(const std::string& source_id, uint64_t registration,
+                          absl::Duration deadline = absl::Seconds(2));
   absl::StatusOr<v1::RouterStats> GetStats();
   // Sends `batches` on one PublishEvents stream and returns the router's summary.
   absl::StatusOr<v1::PublishEventsResponse> PublishEvents(const std::vector<v1::EventBatch>& batches,

@@ -60,6 +60,10 @@ inline constexpr int64_t kMaxTraceBlockTokens = int64_t{1} << 20;
 // (kvpool.v1.RouteRequest.tokens: 1..2^24). A longer prompt could never be routed, and
 // synthesizing its tokens (SynthesizeTokens) would allocate without bound.
 inline constexpr int64_t kMaxTraceInputTokens = int64_t{1} << 24;
+// Generated tokens per request, and arrival times (ms, about 31 years), a trace may give:
+// beyond these a replay's max_new_tokens would wrap and a simulation's clock overflow.
+inline constexpr int64_t kMaxTraceOutputTokens = int64_t{1} << 24;
+inline constexpr double kMaxTraceTimestampMs = 1e12;
 
 struct TraceRequest {
   int64_t line = 0;          // 1-based line in the file
@@ -78,7 +82,7 @@ struct TraceIssue {
 struct ParseOptions {
   int64_t trace_block_tokens = kDefaultTraceBlockTokens;  // 1..kMaxTraceBlockTokens
   bool strict = false;  // the first bad line fails the parse (INVALID_ARGUMENT, with its line)
-  size_t limit = 0;     // keep at most this many requests; 0 = all
+  size_t limit = 0;     // keep the first this many valid lines in file order (then sorted); 0 = all
 };
 
 struct Trace {
@@ -86,6 +90,7 @@ struct Trace {
   std::vector<TraceIssue> issues;      // skipped lines, in file order
   int64_t lines = 0;                   // lines read (blank ones included)
   int64_t trace_block_tokens = kDefaultTraceBlockTokens;
+  bool limited = false;  // reading stopped at ParseOptions::limit with lines left unread
 };
 
 // Parses one line (without its newline). INVALID_ARGUMENT names the field and the fix:
