@@ -1,5 +1,6 @@
 #include "kvpool/common/units.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 
@@ -61,7 +62,9 @@ absl::StatusOr<uint64_t> ParseBytes(absl::string_view text, absl::string_view fi
     return absl::InvalidArgumentError(
         absl::StrCat(field, "='", text, "' must be a non-negative size below 16 EiB (2^64 bytes)"));
   }
-  if (bytes != v * mult) {  // 1.4 bytes is a typo, not a size (1.5KiB = 1536 is whole)
+  // 1.4 bytes is a typo, not a size (1.5KiB = 1536 is whole). Relative slack: 4.1 * 1e6
+  // is 4099999.9999999995 in doubles, and 4.1MB is a whole size.
+  if ((bytes == 0 && v * mult > 0) || std::fabs(v * mult - bytes) > 1e-9 * std::max(1.0, v * mult)) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, "='", text, "' is not a whole number of bytes; write a whole number of bytes"));
   }

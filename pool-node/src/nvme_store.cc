@@ -406,7 +406,8 @@ absl::Status NvmeStore::FinishRewrite(std::span<const NvmeRecord> live) {
   // The bulk of the work (the snapshot's records and their fsync) runs unlocked: appends
   // meanwhile go to the current journal and are remembered.
   if (ws.ok()) ws = WriteAll(tfd, compact, tmp);
-  if (ws.ok() && ::fsync(tfd) != 0) ws = Errno("fsync", tmp);
+  // A rewrite dropped for its backlog meanwhile skips the fsync (the slow disk's cost).
+  if (ws.ok() && !RewriteDropped() && ::fsync(tfd) != 0) ws = Errno("fsync", tmp);
   uint64_t tail = 0;
   {
     absl::MutexLock l(&journal_mu_);

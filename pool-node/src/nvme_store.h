@@ -109,6 +109,10 @@ class NvmeStore {
   // journal stays as it is and keeps every record) and tried again later.
   bool BeginRewrite();
   absl::Status FinishRewrite(std::span<const NvmeRecord> live);
+  bool RewriteDropped() {
+    absl::MutexLock l(&journal_mu_);
+    return backlog_overflowed_;
+  }
   static constexpr uint64_t kMaxRewriteBacklog = 64ull << 20;
   void SetRewriteBacklogLimitForTest(uint64_t bytes) {
     absl::MutexLock l(&journal_mu_);

@@ -173,6 +173,9 @@ void UringEngine::Loop() {
         poll_armed = false;
         continue;
       }
+      // The timeout liburing queues for io_uring_submit_and_wait_timeout on kernels
+      // without IORING_FEAT_EXT_ARG (< 5.11): not an op of ours.
+      if (tag == LIBURING_UDATA_TIMEOUT) continue;
       auto* p = reinterpret_cast<Pending*>(tag);
       --inflight;
       const int res = fault_ ? fault_(p->op, cqe->res) : cqe->res;

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <fstream>
 #include <iomanip>
@@ -88,23 +89,22 @@ class Workers {
  public:
   // The stub for `address`, or null while no worker answers there. A failed probe is
   // tried again 5 s later (a worker slow or restarting at first contact is not written
-  // off for the run); probes run without the lock, so senders to other addresses do
-  // not wait for one.
+  // off for the run). One probe per address at a time, run without the lock: senders to
+  // other addresses do not wait for it, senders to the same one wait for its answer.
   v1::Worker::Stub* Get(const std::string& address) {
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      auto it = stubs_.find(address);
-      if (it != stubs_.end() && (it->second.stub != nullptr || absl::Now() < it->second.retry_at)) {
-        return it->second.stub.get();
-      }
-    }
+    std::unique_lock<std::mutex> l(mu_);
+    Entry& e = stubs_[address];  // std::map: the reference stays valid
+    cv_.wait(l, [&e] { return !e.probing; });
+    if (e.stub != nullptr || (e.probed && absl::Now() < e.retry_at)) return e.stub.get();
+    e.probing = true;
+    l.unlock();
     std::unique_ptr<v1::Worker::Stub> probed = Probe(address);
-    std::lock_guard<std::mutex> l(mu_);
-    Entry& e = stubs_[address];
-    if (e.stub == nullptr) {  // (another thread's probe may have won meanwhile)
-      e.stub = std::move(probed);
-      if (e.stub == nullptr) e.retry_at = absl::Now() + absl::Seconds(5);
-    }
+    l.lock();
+    e.probing = false;
+    e.probed = true;
+    e.stub = std::move(probed);
+    if (e.stub == nullptr) e.retry_at = absl::Now() + absl::Seconds(5);
+    cv_.notify_all();
     return e.stub.get();
   }
 
@@ -123,9 +123,12 @@ class Workers {
   }
   struct Entry {
     std::unique_ptr<v1::Worker::Stub> stub;  // set once, never replaced (callers keep the pointer)
-    absl::Time retry_at;
+    bool probing = false;                    // a thread is probing the address now
+    bool probed = false;
+    absl::Time retry_at;                     // after a failed probe: the next one
   };
   std::mutex mu_;
+  std::condition_variable cv_;
   std::map<std::string, Entry> stubs_;
 };
 
@@ -237,6 +240,7 @@ void RunReplay(const ReplayArgs& a, Io& io) {
 
   std::vector<std::thread> threads;
   const int n_threads = std::max(1, std::min<int>(a.concurrency, static_cast<int>(reqs.size())));
+  threads.reserve(static_cast<size_t>(n_threads));
   for (int k = 0; k < n_threads; ++k) {
     // A thread that cannot be created (a process or memory limit at --concurrency 1024)
     // must not unwind past the ones running (std::terminate): go on with those.
@@ -259,7 +263,7 @@ void RunReplay(const ReplayArgs& a, Io& io) {
           done.fetch_add(1);
         }
       });
-    } catch (const std::system_error& e) {
+    } catch (const std::exception& e) {  // std::system_error (a thread limit), bad_alloc
       if (threads.empty()) return fail(absl::StrCat("cannot start a sender thread: ", e.what()), 1);
       *io.err << "kvctl replay: started " << threads.size() << " of " << n_threads << " sender threads ("
               << e.what() << "); going on with those\n";

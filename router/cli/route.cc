@@ -10,6 +10,7 @@
 #include "absl/strings/str_split.h"
 #include "kvctl.h"
 #include "kvpool/common/hash.h"
+#include "kvpool/common/host_port.h"
 #include "kvpool/router/router_client.h"
 #include "nlohmann/json.hpp"
 
@@ -95,11 +96,16 @@ void RunRoute(const RouteArgs& a, Io& io) {
   req.set_policy(a.policy);
   req.set_tenant_salt(a.tenant_salt);
   req.set_prompt_tokens(a.prompt_tokens);
+  // A malformed --router is a bad argument (2); an unreachable router is not (1).
+  if (absl::Status bad = CheckDialTarget("--router", a.router); !bad.ok()) {
+    *io.err << "kvctl route: " << bad.message() << "\n";
+    io.exit_code = 2;
+    return;
+  }
   auto client = router::RouterClient::Connect(a.router);
   if (!client.ok()) {
     *io.err << "kvctl route: " << client.status().message() << "\n";
-    // A malformed --router is a bad argument (2); an unreachable router is not (1).
-    io.exit_code = client.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+    io.exit_code = 1;
     return;
   }
   auto r = (*client)->Route(req);

@@ -49,6 +49,13 @@ TEST(UnitsTest, SizesNearAndAbove64BitsAreExactOrRefused) {
     ASSERT_FALSE(r.ok()) << frac << " -> " << *r;
     EXPECT_NE(r.status().message().find("whole number of bytes"), absl::string_view::npos) << r.status();
   }
+  // Decimal sizes whose double product is a hair off a whole number are whole sizes.
+  for (const auto& [text, want] : std::vector<std::pair<const char*, uint64_t>>{
+           {"4.1MB", 4100000}, {"4.1GB", 4100000000}, {"1.07GB", 1070000000}, {"2.01KB", 2010}, {"0.27TB", 270000000000}}) {
+    const auto r = ParseBytes(text, "--dram");
+    ASSERT_TRUE(r.ok()) << text << ": " << r.status();
+    EXPECT_EQ(*r, want) << text;
+  }
   // Numbers that overflow to infinity are refused, not returned.
   EXPECT_FALSE(ParseNumber("1e300P", "--flops").ok());
   EXPECT_FALSE(ParseNumber("-1e308k", "--flops").ok());

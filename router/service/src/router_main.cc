@@ -82,15 +82,22 @@ int RunRouterMain(int argc, char** argv) {
   c.hybrid_mode = *h;
   c.models = models;
   if (!flops.empty()) {
-    auto f = ParseNumberIn(flops, "--flops", kMinFlops, kMaxFlops);
-    if (!f.ok()) return bad(absl::StrCat(f.status().message(), " FLOP/s; e.g. 400e12 or 400T"));
+    auto f = ParseNumber(flops, "--flops");
+    if (!f.ok()) return bad(f.status().message());
+    if (!(*f >= kMinFlops && *f <= kMaxFlops)) {
+      return bad(absl::StrCat("--flops='", flops, "' is outside ", kMinFlops, "..", kMaxFlops, " FLOP/s; e.g. 400e12 or 400T"));
+    }
     c.cost.achieved_flops = *f;
   }
   for (auto [flag, text, out] : {std::tuple{"--pool-dram-bandwidth", &dram_bw, &c.pool_dram_bandwidth},
                                  std::tuple{"--pool-nvme-bandwidth", &nvme_bw, &c.pool_nvme_bandwidth}}) {
     if (text->empty()) continue;
-    auto r = ParseRateIn(*text, flag, kMinBandwidth, kMaxBandwidth);
-    if (!r.ok()) return bad(absl::StrCat(r.status().message(), " bytes/s; e.g. 25GB/s"));
+    auto r = ParseRate(*text, flag);
+    if (!r.ok()) return bad(r.status().message());
+    if (!(*r >= kMinBandwidth && *r <= kMaxBandwidth)) {
+      return bad(absl::StrCat(flag, "='", *text, "' is outside ", kMinBandwidth, "..", kMaxBandwidth,
+                              " bytes/s; e.g. 25GB/s"));
+    }
     *out = *r;
   }
   if (heartbeat_interval_ms <= 0) return bad("--heartbeat-interval-ms must be > 0");

@@ -132,6 +132,7 @@ absl::StatusOr<Trace> ParseTrace(std::istream& in, const ParseOptions& options) 
     }
     t.requests.push_back(*std::move(r));
     if (options.limit != 0 && t.requests.size() >= options.limit) {
+      in >> std::ws;  // blank lines after the last request are not "more"
       t.limited = in.peek() != std::char_traits<char>::eof();
       break;
     }

@@ -39,9 +39,10 @@ TEST(RouteArgsTest, UnreachableRouterIsNotABadArgument) {
 }
 
 TEST(RouteArgsTest, BadRouterAndTokenArgumentsExitTwo) {
-  {
+  for (const char* router : {"", "999.999.999.999:1", "host:0"}) {
     std::ostringstream out, err;
-    EXPECT_EQ(kvctl::RunKvctl({"kvctl", "route", "--router", "", "--tokens", "1"}, out, err), 2) << err.str();
+    EXPECT_EQ(kvctl::RunKvctl({"kvctl", "route", "--router", router, "--tokens", "1"}, out, err), 2) << err.str();
+    EXPECT_TRUE(absl::StrContains(err.str(), "--router=")) << err.str();
   }
   {
     // Each range fits, their sum does not: refused before 2^26 tokens are built.

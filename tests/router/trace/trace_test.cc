@@ -146,6 +146,7 @@ TEST(ParseTrace, LimitAndBlockSize) {
   EXPECT_TRUE(t.issues.empty());
   EXPECT_TRUE(t.limited);  // a line was left unread
   EXPECT_FALSE(ParseOrDie(lines, {.trace_block_tokens = 32, .limit = 3}).limited);
+  EXPECT_FALSE(ParseOrDie(lines + "\n  \n", {.trace_block_tokens = 32, .limit = 3}).limited);  // blank: nothing more
   const Trace t512 = ParseOrDie(lines);  // 100 tokens need 1 block of 512, not 4
   EXPECT_EQ(t512.requests.size(), 2u);
   EXPECT_EQ(t512.issues.size(), 1u);
