@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
@@ -404,19 +405,28 @@ absl::Status NvmeStore::FinishRewrite(std::span<const NvmeRecord> live) {
   absl::Status ws = tfd < 0 ? Errno("open", tmp) : absl::OkStatus();
   if (ws.ok() && write_fault_) ws = write_fault_(JournalWrite::kRewrite);
   // The bulk of the work (the snapshot's records and their fsync) runs unlocked: appends
-  // meanwhile go to the current journal and are remembered.
+  // meanwhile go to the current journal and are remembered. After a rewrite was dropped
+  // for its backlog, this one holds the journal lock through its writes and fsync
+  // instead (appends wait for it), so that compaction completes on a disk too slow for
+  // the other way.
+  absl::ReleasableMutexLock hold(&journal_mu_);
+  const bool hold_through = hold_next_rewrite_;
+  if (!hold_through) hold.Release();
   if (ws.ok()) ws = WriteAll(tfd, compact, tmp);
   // A rewrite dropped for its backlog meanwhile skips the fsync (the slow disk's cost).
-  if (ws.ok() && !RewriteDropped() && ::fsync(tfd) != 0) ws = Errno("fsync", tmp);
+  if (ws.ok() && (hold_through || !RewriteDropped()) && ::fsync(tfd) != 0) ws = Errno("fsync", tmp);
   uint64_t tail = 0;
   {
-    absl::MutexLock l(&journal_mu_);
+    std::optional<absl::MutexLock> l;
+    if (!hold_through) l.emplace(&journal_mu_);
     // The records appended since the snapshot follow it in the new journal (they are in
     // the old one too, so a crash before the rename loses none), then the rename.
     if (ws.ok() && backlog_overflowed_) {
+      hold_next_rewrite_ = true;
       ws = absl::ResourceExhaustedError(absl::StrCat(
           "more than ", rewrite_backlog_limit_, " bytes of journal records were appended while ", tmp,
-          " was written and synced (a slow disk); the rewrite is dropped and the journal kept as it is"));
+          " was written and synced (a slow disk); the rewrite is dropped and the journal kept as it is "
+          "(the next one holds the journal's appends back until it is done)"));
     }
     if (ws.ok()) ws = WriteAll(tfd, appended_while_rewriting_, tmp);
     if (ws.ok() && ::rename(tmp.c_str(), journal_path_.c_str()) != 0) ws = Errno("rename", tmp);
@@ -429,11 +439,13 @@ absl::Status NvmeStore::FinishRewrite(std::span<const NvmeRecord> live) {
       // An append that failed meanwhile may have held pages back: the next rewrite gives
       // them back.
       rewrite_due_ = failed_while_rewriting_;
+      hold_next_rewrite_ = false;
     }
     rewriting_ = false;
     appended_while_rewriting_.clear();
     appended_while_rewriting_.shrink_to_fit();
   }
+  if (hold_through) hold.Release();
   if (!ws.ok()) {  // the current journal stays as it was
     if (tfd >= 0) ::close(tfd);
     ::unlink(tmp.c_str());
@@ -488,7 +500,7 @@ absl::Status NvmeStore::Append(const std::string& bytes, bool* may_be_recorded) 
   if (rewriting_ && !backlog_overflowed_) {
     if (!st.ok()) {
       failed_while_rewriting_ = true;
-    } else if (appended_while_rewriting_.size() + bytes.size() > rewrite_backlog_limit_) {
+    } else if (!hold_next_rewrite_ && appended_while_rewriting_.size() + bytes.size() > rewrite_backlog_limit_) {
       backlog_overflowed_ = true;  // FinishRewrite drops the rewrite
       appended_while_rewriting_.clear();
       appended_while_rewriting_.shrink_to_fit();

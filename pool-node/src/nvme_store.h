@@ -106,7 +106,10 @@ class NvmeStore {
   // The records appended meanwhile are kept in memory up to kMaxRewriteBacklog bytes
   // (a rewrite whose fsync stalls while the node keeps demoting must not grow the heap
   // without bound): past that the rewrite is dropped (FinishRewrite fails, the current
-  // journal stays as it is and keeps every record) and tried again later.
+  // journal stays as it is and keeps every record) and tried again later. That next
+  // rewrite holds the journal lock through its writes and fsync, as all of them did
+  // before 2026-12-02 (appends, and the node calls that make them, wait), so a disk too
+  // slow for the unlocked way still gets its journal compacted.
   bool BeginRewrite();
   absl::Status FinishRewrite(std::span<const NvmeRecord> live);
   bool RewriteDropped() {
@@ -148,6 +151,7 @@ class NvmeStore {
   std::string appended_while_rewriting_ ABSL_GUARDED_BY(journal_mu_);
   bool failed_while_rewriting_ ABSL_GUARDED_BY(journal_mu_) = false;
   bool backlog_overflowed_ ABSL_GUARDED_BY(journal_mu_) = false;  // this rewrite is dropped
+  bool hold_next_rewrite_ ABSL_GUARDED_BY(journal_mu_) = false;   // the last one was dropped
   uint64_t rewrite_backlog_limit_ ABSL_GUARDED_BY(journal_mu_) = kMaxRewriteBacklog;
 };
 

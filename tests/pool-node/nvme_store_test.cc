@@ -35,7 +35,8 @@ std::vector<uint32_t> FirstPages(const std::vector<NvmeRecord>& recs) {
 }
 
 // Records appended while a compaction writes its snapshot land in the new journal; past
-// the backlog bound the compaction is dropped instead, and the journal keeps them all.
+// the backlog bound the compaction is dropped instead, and the journal keeps them all;
+// the one after a dropped compaction holds appends back and so always lands.
 TEST(NvmeStoreTest, RecordsAppendedDuringARewriteAreKeptWhetherOrNotItsBacklogFits) {
   TempDir dir;
   std::vector<NvmeRecord> recovered;
@@ -57,15 +58,21 @@ TEST(NvmeStoreTest, RecordsAppendedDuringARewriteAreKeptWhetherOrNotItsBacklogFi
   const absl::Status dropped = store->FinishRewrite(live);
   EXPECT_EQ(dropped.code(), absl::StatusCode::kResourceExhausted) << dropped;
   EXPECT_NE(dropped.message().find("more than 256 bytes"), std::string::npos) << dropped;
-  // A later rewrite with a fitting backlog succeeds again.
+  // The next rewrite holds the journal's appends back through its fsync: whatever came
+  // in before it took the lock is kept however large, and it lands.
   for (uint32_t i = 3; i < 12; ++i) live.push_back(Record(i));
   ASSERT_TRUE(store->BeginRewrite());
-  ASSERT_TRUE(store->JournalAdd(std::vector<NvmeRecord>{Record(12)}).ok());
+  for (uint32_t i = 12; i < 21; ++i) ASSERT_TRUE(store->JournalAdd(std::vector<NvmeRecord>{Record(i)}).ok());
   ASSERT_TRUE(store->FinishRewrite(live).ok());
+  // Then the bound applies again.
+  for (uint32_t i = 12; i < 21; ++i) live.push_back(Record(i));
+  ASSERT_TRUE(store->BeginRewrite());
+  for (uint32_t i = 21; i < 30; ++i) ASSERT_TRUE(store->JournalAdd(std::vector<NvmeRecord>{Record(i)}).ok());
+  EXPECT_EQ(store->FinishRewrite(live).code(), absl::StatusCode::kResourceExhausted);
   store.reset();
 
   std::vector<uint32_t> want;
-  for (uint32_t i = 0; i <= 12; ++i) want.push_back(i);
+  for (uint32_t i = 0; i < 30; ++i) want.push_back(i);
   store = Open(dir, &recovered);
   ASSERT_NE(store, nullptr);
   EXPECT_EQ(FirstPages(recovered), want);
