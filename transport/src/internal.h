@@ -407,6 +407,11 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   uint64_t next_batch_ = 1;        // progress thread only
   // Progress thread only.
   absl::flat_hash_map<uint64_t, std::unique_ptr<Batch>> batches_;
+  // Of batches_, those delivered (their caller answered) but kept because UCX still
+  // holds requests of theirs (an abandoned transfer to a dead shared-memory peer): no
+  // work in flight for the progress thread's polling, which they could otherwise keep
+  // at 1 ms epoll rounds for good.
+  size_t delivered_in_table_ = 0;
   std::vector<std::shared_ptr<EndpointImpl>> endpoints_;
   // Endpoint closes in progress, with the EndpointImpl they were created for (UCX's
   // error handler argument: it must outlive the ucp_ep).

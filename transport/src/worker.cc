@@ -555,7 +555,7 @@ void WorkerImpl::Loop() {
     if (!batches_.empty()) CheckDeadlines();
     if (!retired_.empty()) SweepRkeys();
     if (!pending_puts_.empty()) SweepPendingPuts();
-    inflight = !batches_.empty() || owner_inflight_ > 0;
+    inflight = batches_.size() > delivered_in_table_ || owner_inflight_ > 0;
     busy = inflight || !closing_reqs_.empty();
     was_inflight = busy;
     ready.swap(ready_);
@@ -1343,6 +1343,7 @@ void WorkerImpl::Finish(Batch& b, absl::Status s) {
 void WorkerImpl::Deliver(Batch& b) {
   if (b.delivered) return;
   b.delivered = true;
+  ++delivered_in_table_;  // every caller holds the batch in batches_ (MaybeFree erases it next)
   // Run by RunCallbacks once ucx_mu_ is released: a callback may submit again.
   if (b.done) ready_.emplace_back(std::move(b.done), b.status);
   b.done = nullptr;
@@ -1353,6 +1354,7 @@ void WorkerImpl::MaybeFree(uint64_t id) {
   if (it != batches_.end() && it->second->finished && it->second->outstanding <= 0) {
     Deliver(*it->second);
     batches_.erase(it);
+    --delivered_in_table_;
     absl::MutexLock l(&mu_);
     --stats_.batches_in_flight;
   }
