@@ -43,7 +43,8 @@ absl::StatusOr<PolicyKind> ParsePolicy(absl::string_view name) {
   for (PolicyKind k : kAll) {
     if (PolicyName(k) == name) return k;
   }
-  return absl::InvalidArgumentError(absl::StrCat("policy=\"", name, "\" is not a policy; use one of ",
+  // Clipped: a client's megabyte of junk must not come back as a status too large to send.
+  return absl::InvalidArgumentError(absl::StrCat("policy=\"", name.substr(0, 64), "\" is not a policy; use one of ",
                                                  absl::StrJoin(PolicyNames(), ", ")));
 }
 

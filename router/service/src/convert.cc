@@ -191,8 +191,11 @@ absl::StatusOr<InstanceLoad> LoadFromProto(const v1::Load& l, absl::string_view 
   if (!(l.kv_usage() >= 0 && l.kv_usage() <= 1)) {
     return Invalid(absl::StrCat(field, ".kv_usage"), absl::StrCat(l.kv_usage(), " is outside [0, 1]"));
   }
-  if (l.running_requests() > 1'000'000 || l.waiting_requests() > 1'000'000) {
-    return Invalid(field, "running/waiting requests above 1e6");
+  if (l.running_requests() > 1'000'000) {
+    return Invalid(absl::StrCat(field, ".running_requests"), absl::StrCat(l.running_requests(), " is above 1e6"));
+  }
+  if (l.waiting_requests() > 1'000'000) {
+    return Invalid(absl::StrCat(field, ".waiting_requests"), absl::StrCat(l.waiting_requests(), " is above 1e6"));
   }
   if (l.queued_prefill_tokens() > (uint64_t{1} << 40)) {
     return Invalid(absl::StrCat(field, ".queued_prefill_tokens"), "above 2^40");

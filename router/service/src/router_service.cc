@@ -119,11 +119,7 @@ class RouterService final : public v1::Router::CallbackService {
   }
   grpc::ServerUnaryReactor* Unregister(grpc::CallbackServerContext* ctx, const v1::UnregisterRequest* req,
                                        v1::UnregisterResponse*) override {
-    if (!ValidSourceId(req->source_id())) {
-      return Done(ctx, absl::InvalidArgumentError(absl::StrCat(
-                           "source_id=\"", req->source_id().substr(0, 64),
-                           "\" must be 1..128 bytes of [A-Za-z0-9._:-] (the id the source registered with)")));
-    }
+    if (absl::Status bad = CheckRegisteredId(req->source_id()); !bad.ok()) return Done(ctx, bad);
     return Done(ctx, host_->Unregister(req->source_id(), req->registration()));
   }
   grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* ctx, const v1::HeartbeatRequest* req,
@@ -137,6 +133,13 @@ class RouterService final : public v1::Router::CallbackService {
   }
 
  private:
+  // A source_id as Register takes it (refused there otherwise, so never registered).
+  static absl::Status CheckRegisteredId(const std::string& id) {
+    if (ValidSourceId(id)) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat("source_id=\"", id.substr(0, 64),
+                                                   "\" must be 1..128 bytes of [A-Za-z0-9._:-] (the id the "
+                                                   "source registered with)"));
+  }
   static grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx, const absl::Status& s) {
     grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
     r->Finish(ToGrpcStatus(s));
@@ -161,9 +164,7 @@ class RouterService final : public v1::Router::CallbackService {
   }
 
   absl::Status DoHeartbeat(const v1::HeartbeatRequest& req, v1::HeartbeatResponse* resp) {
-    if (req.source_id().empty()) {
-      return absl::InvalidArgumentError("source_id: empty; set the id the source registered with");
-    }
+    RETURN_IF_ERROR(CheckRegisteredId(req.source_id()));
     // The core releases each decision under core_mu_; an unbounded list would stall
     // every Route for as long as it takes.
     if (req.completed_decisions_size() > kMaxCompletedPerHeartbeat) {

@@ -422,6 +422,14 @@ TEST_F(RouterServiceTest, BadInputGetsClearErrorsAndOthersAreStillServed) {
   // A 200 KB name: echoed clipped (in full, the status was too large to send at all).
   v1::RouteRequest long_name = TokensRequest(Tokens(32, 3), std::string(200'000, 'm'));
   expect(client_->Route(long_name).status(), absl::StatusCode::kInvalidArgument, "...(200000 bytes)");
+  // A 200 KB policy: echoed clipped too.
+  v1::RouteRequest long_policy = TokensRequest(Tokens(32, 3));
+  long_policy.set_policy(std::string(200'000, 'p'));
+  expect(client_->Route(long_policy).status(), absl::StatusCode::kInvalidArgument, "is not a policy");
+  // A heartbeat's source_id is checked as Register's is.
+  v1::HeartbeatRequest bad_source;
+  bad_source.set_source_id("bad id!");
+  expect(client_->Heartbeat(bad_source).status(), absl::StatusCode::kInvalidArgument, "source_id=\"bad id!\"");
   v1::RouteRequest bs = TokensRequest(Tokens(32, 3));
   bs.mutable_model()->set_block_tokens(64);
   expect(client_->Route(bs).status(), absl::StatusCode::kInvalidArgument, "model.block_tokens=64");

@@ -203,6 +203,36 @@ TEST(HybridTest, StrictModeMissesWithoutACheckpoint) {
   EXPECT_EQ(a->checkpoint_saves[0].hash, boundary);
 }
 
+// Hits the manager did not make are refused (FAILED_PRECONDITION), not followed: a
+// negative checkpoint_tokens without a checkpoint read hashes[-1], and a strict hit with
+// blocks but no checkpoint started the KDA state from zero past them.
+TEST(HybridTest, MalformedHitsAreRefused) {
+  for (HybridHitMode mode : {HybridHitMode::kStrict, HybridHitMode::kReplay}) {
+    auto m = MakeManager(HybridConfig(64, mode));
+    const auto prompt = Seq(0, 300);
+    Prefill(*m, TokenRequest(0, prompt));
+    ASSERT_TRUE(m->Free(0).ok());
+    ASSERT_TRUE(m->AddRequest(TokenRequest(1, prompt)).ok());
+    auto hit = m->GetComputedBlocks(1);
+    ASSERT_TRUE(hit.ok());
+    ASSERT_EQ(hit->checkpoint_tokens, 256);
+    PrefixHit no_ckpt = *hit;
+    no_ckpt.checkpoint = kNoBlock;
+    no_ckpt.checkpoint_tokens = -256;
+    EXPECT_EQ(m->AllocateSlots(1, 300 - no_ckpt.num_tokens, &no_ckpt).status().code(),
+              absl::StatusCode::kFailedPrecondition);
+    if (mode == HybridHitMode::kStrict) {
+      PrefixHit blocks_only = *hit;  // 4 blocks, no checkpoint
+      blocks_only.checkpoint = kNoBlock;
+      blocks_only.checkpoint_tokens = 0;
+      EXPECT_EQ(m->AllocateSlots(1, 300 - blocks_only.num_tokens, &blocks_only).status().code(),
+                absl::StatusCode::kFailedPrecondition);
+    }
+    auto good = m->AllocateSlots(1, 300 - hit->num_tokens, &*hit);  // nothing changed meanwhile
+    EXPECT_TRUE(good.ok()) << good.status();
+  }
+}
+
 TEST(HybridTest, ReplaySavesCheckpointsMissingBetweenRestoreAndHit) {
   auto m = MakeManager(HybridConfig(64, HybridHitMode::kReplay));
   const auto prompt = Seq(0, 700);
@@ -250,6 +280,39 @@ TEST(HybridTest, CheckpointsAreEvictedAsRunsUnderPressure) {
     EXPECT_EQ(m->block_pool().block(p).ref_cnt, 0);
     EXPECT_TRUE(m->block_pool().block(p).is_cached);
   }
+}
+
+// Checkpoints are a cache: a decode step whose slot fits in a block the request holds
+// does not fail because the checkpoint at the boundary it reaches does not fit (it was
+// RESOURCE_EXHAUSTED, and the runner ended the sequence); the latest boundaries are
+// saved first when only some fit.
+TEST(HybridTest, CheckpointsThatDoNotFitAreSkippedNotRequired) {
+  auto m = MakeManager(HybridConfig(7, HybridHitMode::kReplay));  // 6 usable pages
+  // 255 tokens: 4 blocks + the 2-page live state; 0 free.
+  ASSERT_TRUE(m->AddRequest(TokenRequest(0, Seq(0, 255))).ok());
+  auto hit = m->GetComputedBlocks(0);
+  ASSERT_TRUE(hit.ok());
+  ASSERT_TRUE(m->AllocateSlots(0, 255, &*hit).ok());
+  ASSERT_EQ(m->Usage().used_blocks, 6);
+  // Token 256 fills block 3 and reaches the 256 boundary: no page for its checkpoint.
+  ASSERT_TRUE(m->AppendTokens(0, std::vector<TokenId>{255}).ok());
+  auto d = m->AllocateSlots(0, 1);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_TRUE(d->checkpoint_saves.empty());
+  EXPECT_EQ(m->block_pool().num_cached_hashes(StateKind::kLinearState), 0u);
+  ASSERT_TRUE(m->Free(0).ok());
+
+  // 20 usable pages, a 770-token prefill: 13 blocks + 2 live pages leave 5, room for two
+  // of the three checkpoints (256, 512, 768): 512 and 768 are saved.
+  auto big = MakeManager(HybridConfig(21, HybridHitMode::kReplay));
+  ASSERT_TRUE(big->AddRequest(TokenRequest(1, Seq(0, 770))).ok());
+  auto h = big->GetComputedBlocks(1);
+  ASSERT_TRUE(h.ok());
+  auto a = big->AllocateSlots(1, 770, &*h);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_EQ(a->checkpoint_saves.size(), 2u);
+  EXPECT_EQ(a->checkpoint_saves[0].boundary_tokens, 512);
+  EXPECT_EQ(a->checkpoint_saves[1].boundary_tokens, 768);
 }
 
 TEST(HybridTest, ForkCopiesTheLiveStatePerChild) {

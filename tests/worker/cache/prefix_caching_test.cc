@@ -339,6 +339,13 @@ TEST(PrefixCachingTest, HashedRequestsNeedNoTokens) {
   s.id = 2;
   s.block_hashes = {BlockHash{1, 1}, BlockHash{2, 2}, BlockHash{3, 3}, BlockHash{4, 4}};
   EXPECT_EQ(m->AddRequest(s).code(), absl::StatusCode::kInvalidArgument);
+  // A hash repeated within the chain (two copies, and for hybrids two checkpoints, under
+  // one key) is refused, naming the entry.
+  s.id = 3;
+  s.block_hashes = {BlockHash{1, 1}, BlockHash{2, 2}, BlockHash{1, 1}};
+  const absl::Status dup = m->AddRequest(s);
+  EXPECT_EQ(dup.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(dup.message().find("block_hashes[2]"), absl::string_view::npos) << dup;
 }
 
 TEST(PrefixCachingTest, StaleHitIsRefused) {

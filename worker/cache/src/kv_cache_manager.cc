@@ -96,6 +96,17 @@ absl::Status KvCacheManager::AddRequest(RequestSpec spec) {
           spec.num_prompt_tokens, " prompt tokens make only ", spec.num_prompt_tokens / b,
           " full blocks of ", b, " tokens; pass one hash per full block"));
     }
+    // A chain of distinct prefixes has distinct hashes; a repeat (a collision, or a
+    // caller's bug) would cache two copies under one key, and two checkpoints.
+    absl::flat_hash_set<BlockHash> seen;
+    seen.reserve(spec.block_hashes.size());
+    for (size_t i = 0; i < spec.block_hashes.size(); ++i) {
+      if (!seen.insert(spec.block_hashes[i]).second) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "request ", spec.id, ": block_hashes[", i, "] ", spec.block_hashes[i].ToHex(),
+            " repeats an earlier hash of the chain; each block's hash names its whole prefix"));
+      }
+    }
     r.num_prompt_tokens = spec.num_prompt_tokens;
     r.hashes = std::move(spec.block_hashes);
   }
@@ -184,10 +195,18 @@ absl::Status KvCacheManager::ValidateHit(const Request& r, const PrefixHit& hit)
       return stale(absl::StrCat("block ", id, " no longer holds prefix block ", i));
     }
   }
-  if (hit.checkpoint != kNoBlock) {
+  if (hit.checkpoint == kNoBlock) {
+    // No checkpoint: the KDA state starts at zero, so nothing may claim otherwise, and a
+    // strict hit (which stops at its checkpoint) has no blocks.
+    if (hit.checkpoint_tokens != 0 ||
+        (config_.layout.hybrid() && config_.hybrid_mode == HybridHitMode::kStrict && hit.num_tokens != 0)) {
+      return stale("checkpoint fields are inconsistent");
+    }
+  } else {
     const int64_t c = hit.checkpoint_tokens;
     const int64_t step = config_.layout.checkpoint_tokens;
     if (!config_.layout.hybrid() || c <= 0 || c % step != 0 || c > hit.num_tokens ||
+        (config_.hybrid_mode == HybridHitMode::kStrict && c != hit.num_tokens) ||
         hit.checkpoint <= kNullBlockId || hit.checkpoint >= pool_.num_blocks()) {
       return stale("checkpoint fields are inconsistent");
     }
@@ -273,7 +292,7 @@ absl::StatusOr<SlotAllocation> KvCacheManager::AllocateSlots(RequestId id,
   const int64_t live_pages = first && config_.layout.hybrid() ? state_pages : 0;
   // The KDA state stands at the restored checkpoint (or 0) before the first step.
   const int64_t state_from = first ? (has_hit ? hit->checkpoint_tokens : 0) : r->num_slots;
-  const std::vector<int64_t> saves = CheckpointsToSave(*r, state_from, total);
+  std::vector<int64_t> saves = CheckpointsToSave(*r, state_from, total);
   // Touching a free hit block takes it off the free queue, so it counts against supply.
   int64_t touch_free = 0;
   if (has_hit) {
@@ -282,9 +301,17 @@ absl::StatusOr<SlotAllocation> KvCacheManager::AllocateSlots(RequestId id,
       touch_free += state_pages;
     }
   }
-  const int64_t need = new_blocks + (cow ? 1 : 0) + live_pages +
-                       static_cast<int64_t>(saves.size()) * state_pages;
+  // Checkpoints are a cache: the slots and the live state must fit, the checkpoint runs
+  // only as far as free pages last (the latest boundaries first: they make the longest
+  // hits). Counting them as required failed a decode step that needed no new block.
+  const int64_t need = new_blocks + (cow ? 1 : 0) + live_pages;
   const int64_t supply = pool_.num_free_blocks() - touch_free;
+  if (!saves.empty() && state_pages > 0) {
+    const int64_t fit = std::max<int64_t>(0, (supply - need) / state_pages);
+    if (static_cast<int64_t>(saves.size()) > fit) {
+      saves.erase(saves.begin(), saves.end() - fit);
+    }
+  }
   if (need > supply) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "allocate_slots(request ", id, ", num_new_tokens=", num_new_tokens, ") needs ", need,

@@ -19,8 +19,10 @@
 //
 // Hybrid dual cache (layout.hybrid()): per request a live KDA state slot (a run of
 // state pages); each time the computed tokens reach a multiple of checkpoint_tokens, a
-// checkpoint run is cached under the hash of the block ending there
-// (SlotAllocation::checkpoint_saves says where the caller copies the live state). A hit
+// checkpoint run is cached under the hash of the block ending there, if free pages
+// allow (checkpoints are a cache: an allocation never fails for one; the latest
+// boundaries go first) (SlotAllocation::checkpoint_saves says where the caller copies
+// the live state). A hit
 // is the MLA hit m intersected with the last cached checkpoint c <= m: strict takes c,
 // replay takes m and reports m - c tokens to replay through the KDA layers. A
 // checkpoint is only found through its MLA prefix, so it is never a hit without it.

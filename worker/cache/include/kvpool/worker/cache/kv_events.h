@@ -6,7 +6,7 @@
 //
 //   seq 1  stored   parent=none  hashes=[h1 h2 h3]  kind=attn_kv       tier=gpu
 //   seq 2  stored   parent=h2    hashes=[h4]        kind=attn_kv       tier=gpu
-//   seq 3  stored   parent=h3    hashes=[h3]        kind=linear_state  tier=gpu  (checkpoint)
+//   seq 3  stored   parent=h2    hashes=[h3]        kind=linear_state  tier=gpu  (checkpoint at h3's end)
 //   seq 4  removed               hashes=[h4]        kind=attn_kv       tier=gpu
 //   seq 5  cleared
 //
