@@ -193,8 +193,20 @@ absl::StatusOr<EventsResult> RouterHost::Apply(Work& w, uint64_t* applied) {
   const EventBatch& b = w.batch;
   const size_t n = b.events.size();
   const size_t slice = options_.apply_slice_events;
+  // A slice also ends once its events carry apply_slice_hashes hashes (one event may
+  // carry up to 4096): 256 events of 4096 hashes were ~1M index operations in one hold.
+  const size_t slice_hashes = std::max<size_t>(1, options_.apply_slice_hashes);
+  auto slice_end = [&](size_t from) {  // at least one event, when there is one
+    if (from >= n) return n;
+    size_t end = from + 1, hashes = b.events[from].hashes.size();
+    while (end < n && end - from < slice && hashes + b.events[end].hashes.size() <= slice_hashes) {
+      hashes += b.events[end].hashes.size();
+      ++end;
+    }
+    return end;
+  };
   // The clock is read before each lock hold, never under core_mu_: it may be any code.
-  if (!b.full_dump && n <= slice) {
+  if (!b.full_dump && slice_end(0) == n) {
     const absl::Time now = clock_();
     absl::MutexLock l(&core_mu_);
     RETURN_IF_ERROR(CheckRegistration(w).status());
@@ -219,7 +231,7 @@ absl::StatusOr<EventsResult> RouterHost::Apply(Work& w, uint64_t* applied) {
   EventsResult total;
   size_t i = 0;
   do {
-    const size_t end = std::min(n, i + slice);
+    const size_t end = slice_end(i);
     const absl::Time now = clock_();
     absl::MutexLock l(&core_mu_);
     RETURN_IF_ERROR(CheckRegistration(w).status());

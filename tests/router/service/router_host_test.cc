@@ -100,10 +100,11 @@ class RouterHostTest : public ::testing::Test {
     absl::StatusOr<EventsResult> result;
   };
 
-  void Make(size_t slice_events) {
+  void Make(size_t slice_events, size_t slice_hashes = 16384) {
     RouterHostOptions o;
     o.core.models = {"tiny-gqa"};
     o.apply_slice_events = slice_events;
+    o.apply_slice_hashes = slice_hashes;
     o.tick_interval = absl::Hours(1);  // no maintenance in the middle of a test
     auto h = RouterHost::Create(o, &metrics_, [this] { return clock_.Now(); });
     ASSERT_TRUE(h.ok()) << h.status();
@@ -266,6 +267,34 @@ TEST_F(RouterHostTest, FullDumpAppliesInSlicesAndRouteRunsBetweenThem) {
   EXPECT_FALSE(s.stale);
   EXPECT_EQ(s.last_sequence, 64u);
   EXPECT_EQ(s.index_blocks, 64u);
+}
+
+// Slices are bounded by hashes too: 8 events of 16 hashes with a 32-hash bound apply as
+// 4 slices of 2 events, and Route runs between them (one slice of 256 events could carry
+// 1M hashes).
+TEST_F(RouterHostTest, SlicesAreBoundedByHashesAsWellAsEvents) {
+  Make(256, 32);
+  Register("w0");
+  const uint64_t stream = StreamRegistration("w0");
+  const std::vector<BlockHash> chain = Chain(3000, 128);
+  std::vector<KvEvent> events;
+  for (size_t e = 0; e < 8; ++e) {
+    const BlockHash parent = e == 0 ? BlockHash{} : chain[e * 16 - 1];
+    events.push_back(KvEvent::Stored(e + 1, parent, std::vector<BlockHash>(chain.begin() + e * 16, chain.begin() + (e + 1) * 16)));
+  }
+  clock_.Arm();
+  auto batch = Queue("w0", stream, Batch(std::move(events)), [this] { clock_.Disarm(); });
+  std::vector<uint32_t> seen;
+  while (clock_.NextPause()) {
+    const uint32_t hit = GpuHit(chain);
+    if (hit > 0 && hit < chain.size()) seen.push_back(hit);
+    clock_.Resume();
+  }
+  batch->done.WaitForNotification();
+  ASSERT_TRUE(batch->result.ok()) << batch->result.status();
+  EXPECT_EQ(seen, (std::vector<uint32_t>{32, 64, 96}));
+  EXPECT_EQ(batch->result->apply.applied, 8u);
+  EXPECT_EQ(GpuHit(chain), 128u);
 }
 
 // The registration is checked at every slice: a source that registers again in the

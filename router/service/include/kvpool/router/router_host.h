@@ -6,7 +6,8 @@
 // callback once it is applied; the stream reads its next batch only then, so each stream
 // has at most one batch queued (gRPC flow control pushes back on the sender) and at most
 // max_streams streams exist. One applier thread drains the queue in arrival order and
-// applies batches, full dumps included, in slices of apply_slice_events events,
+// applies batches, full dumps included, in slices of apply_slice_events events (and at
+// most apply_slice_hashes hashes),
 // releasing the core lock between slices: a flood of events or a dump of a million
 // blocks delays Route by one slice at a time (a dump's first slice also drops the
 // source's old entries, one scan of the index). A large batch is
@@ -44,7 +45,8 @@ namespace kvpool::router {
 struct RouterHostOptions {
   RouterOptions core;
   size_t max_streams = 1024;          // concurrent PublishEvents streams
-  size_t apply_slice_events = 256;    // events applied per core lock hold
+  size_t apply_slice_events = 256;    // events applied per core lock hold, at most
+  size_t apply_slice_hashes = 16384;  // and their hashes, at most (a slice holds >= 1 event)
   absl::Duration tick_interval = absl::Milliseconds(100);
 };
 
