@@ -92,7 +92,7 @@ absl::StatusOr<RouteDecision> RouterHost::Route(const RouteInput& in) {
   absl::StatusOr<RouteDecision> d;
   {
     absl::MutexLock l(&core_mu_);
-    d = core_->Route(in, clock_());
+    d = core_->Route(in, start);
   }
   if (metrics_ != nullptr) {
     route_latency_->Observe(absl::ToDoubleSeconds(clock_() - start));
@@ -131,13 +131,15 @@ absl::Status RouterHost::Unregister(absl::string_view source_id, uint64_t regist
 
 HeartbeatResult RouterHost::Heartbeat(absl::string_view source_id, const InstanceLoad& load,
                                       std::span<const uint64_t> completed) {
+  const absl::Time now = clock_();
   absl::MutexLock l(&core_mu_);
-  return core_->Heartbeat(source_id, load, completed, clock_());
+  return core_->Heartbeat(source_id, load, completed, now);
 }
 
 RouterStatsSnapshot RouterHost::Stats() {
+  const absl::Time now = clock_();
   absl::MutexLock l(&core_mu_);
-  return core_->Stats(clock_());
+  return core_->Stats(now);
 }
 
 absl::Status RouterHost::OpenStream() {
@@ -205,7 +207,6 @@ absl::StatusOr<EventsResult> RouterHost::Apply(Work& w, uint64_t* applied) {
     }
     return end;
   };
-  // The clock is read before each lock hold, never under core_mu_: it may be any code.
   if (!b.full_dump && slice_end(0) == n) {
     const absl::Time now = clock_();
     absl::MutexLock l(&core_mu_);
@@ -278,8 +279,9 @@ void RouterHost::ApplierLoop() {
     if (clock_() >= next_tick) {
       std::vector<std::string> dropped;
       {
+        const absl::Time now = clock_();
         absl::MutexLock l(&core_mu_);
-        dropped = core_->Tick(clock_());
+        dropped = core_->Tick(now);
       }
       if (dropped_sources_ != nullptr) dropped_sources_->Increment(static_cast<double>(dropped.size()));
       next_tick = clock_() + options_.tick_interval;

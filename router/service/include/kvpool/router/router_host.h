@@ -56,7 +56,8 @@ class RouterHost {
   using Done = std::function<void(absl::StatusOr<EventsResult>)>;
 
   // `metrics` may be null; otherwise it must outlive the host. `clock` defaults to MonotonicNow
-  // (kvpool/common/clock.h: wall-clock steps move no heartbeat or decision timeout).
+  // (kvpool/common/clock.h: wall-clock steps move no heartbeat or decision timeout). The
+  // host reads it before taking its core lock, never under it: a test clock may be any code.
   static absl::StatusOr<std::unique_ptr<RouterHost>> Create(RouterHostOptions options,
                                                             MetricsRegistry* metrics, Clock clock = nullptr);
   ~RouterHost();  // stops the applier; pending batches complete with UNAVAILABLE
