@@ -11,6 +11,28 @@
 namespace kvpool::router {
 namespace {
 constexpr size_t kMaxEventsPerBatch = 65536;
+
+// Where a batch ends: kMaxEventsPerBatch events, or max_bytes of encoded events (the
+// first event is always taken, so a batch is never empty).
+class BatchBound {
+ public:
+  explicit BatchBound(size_t max_bytes) : max_bytes_(max_bytes) {}
+  // Whether `e` still fits; if so, it is counted.
+  bool Take(const v1::KvEvent& e) {
+    if (events_ == kMaxEventsPerBatch) return false;
+    // The field's tag and length prefix, as EventBatch.events encodes each entry.
+    const size_t size = e.ByteSizeLong() + 6;
+    if (events_ > 0 && bytes_ + size > max_bytes_) return false;
+    ++events_;
+    bytes_ += size;
+    return true;
+  }
+
+ private:
+  const size_t max_bytes_;
+  size_t events_ = 0;
+  size_t bytes_ = 0;
+};
 // Completed decisions kept for the next heartbeat, at most (older ones time out in the
 // router anyway).
 constexpr size_t kMaxCompleted = 65536;
@@ -205,7 +227,8 @@ bool EventPublisher::SendDump() {
       if (dump.empty()) batch.set_dump_sequence(next_sequence_ - 1);
     }
     first = false;
-    for (; i < dump.size() && batch.events_size() < static_cast<int>(kMaxEventsPerBatch); ++i) {
+    BatchBound bound(opts_.max_batch_bytes);
+    for (; i < dump.size() && bound.Take(dump[i]); ++i) {
       v1::KvEvent* e = batch.add_events();
       *e = std::move(dump[i]);
       e->set_sequence(next_sequence_++);
@@ -299,7 +322,8 @@ void EventPublisher::Loop() {
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !queue_.empty(); };
       mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(heartbeat_ms_ / 2 + 1));
       if (stop_) break;
-      while (!queue_.empty() && batch.size() < kMaxEventsPerBatch) {
+      BatchBound bound(opts_.max_batch_bytes);
+      while (!queue_.empty() && bound.Take(queue_.front())) {
         batch.push_back(std::move(queue_.front()));
         queue_.pop_front();
       }

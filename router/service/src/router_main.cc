@@ -60,7 +60,11 @@ int RunRouterMain(int argc, char** argv) {
   app.add_option("--apply-slice-events", o.host.apply_slice_events, "events applied per lock hold")
       ->capture_default_str();
   app.add_option("--seed", c.seed, "seed of the random policies")->capture_default_str();
-  std::string flops, dram_bw, nvme_bw;
+  std::string flops, dram_bw, nvme_bw, max_message = "128MiB";
+  app.add_option("--max-message-bytes", max_message,
+                 "largest request accepted, e.g. 128MiB: an event batch (sources send <= 4 MiB) or a Route; "
+                 "memory held by event streams stays below --max-streams x this")
+      ->capture_default_str();
   app.add_option("--flops", flops, "achieved prefill FLOP/s of a worker for the cost model, e.g. 400e12 (default) or 2e9 for CPU tiny-* workers");
   app.add_option("--pool-dram-bandwidth", dram_bw, "pool DRAM fetch bandwidth for the cost model, e.g. 25GB/s (default)");
   app.add_option("--pool-nvme-bandwidth", nvme_bw, "pool NVMe fetch bandwidth for the cost model, e.g. 7GB/s (default)");
@@ -99,6 +103,16 @@ int RunRouterMain(int argc, char** argv) {
                               " bytes/s; e.g. 25GB/s"));
     }
     *out = *r;
+  }
+  {
+    auto m = ParseBytes(max_message, "--max-message-bytes");
+    if (!m.ok()) return bad(m.status().message());
+    if (*m < kMinRouterMessageBytes || *m > kMaxRouterMessageBytes) {
+      return bad(absl::StrCat("--max-message-bytes='", max_message, "' is outside ", kMinRouterMessageBytes, "..",
+                              kMaxRouterMessageBytes, " bytes (8MiB..2047MiB): an event batch of a source takes "
+                              "up to 4 MiB"));
+    }
+    o.max_message_bytes = static_cast<int>(*m);
   }
   if (heartbeat_interval_ms <= 0) return bad("--heartbeat-interval-ms must be > 0");
   // Durations: positive and at most a day (inf would keep a dead source, or a decision,

@@ -208,6 +208,11 @@ RouterServer::~RouterServer() {
 
 absl::StatusOr<std::unique_ptr<RouterServer>> RouterServer::Start(RouterServerOptions options) {
   RETURN_IF_ERROR(CheckListenAddress("--listen", options.listen));
+  if (options.max_message_bytes < 0 || static_cast<uint64_t>(options.max_message_bytes) < kMinRouterMessageBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("--max-message-bytes=", options.max_message_bytes,
+                                                   " is below 8 MiB (", kMinRouterMessageBytes,
+                                                   "): a source's event batch takes up to 4 MiB"));
+  }
   auto impl = std::make_unique<Impl>();
   ASSIGN_OR_RETURN(impl->host, RouterHost::Create(options.host, &impl->metrics));
   impl->service = std::make_unique<RouterService>(impl->host.get());

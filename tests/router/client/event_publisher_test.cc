@@ -58,6 +58,7 @@ class FakeRouter final : public v1::Router::Service {
       absl::MutexLock l(&mu);
       full_dumps += b.full_dump();
       events += b.events_size();
+      ++batches;
     }
     return grpc::Status::OK;
   }
@@ -68,6 +69,7 @@ class FakeRouter final : public v1::Router::Service {
   int streams ABSL_GUARDED_BY(mu) = 0;
   int full_dumps ABSL_GUARDED_BY(mu) = 0;
   int events ABSL_GUARDED_BY(mu) = 0;
+  int batches ABSL_GUARDED_BY(mu) = 0;
   int fail_heartbeats ABSL_GUARDED_BY(mu) = 0;            // the next N heartbeats fail
   int request_dump_at_heartbeat ABSL_GUARDED_BY(mu) = 0;  // that heartbeat asks for a dump
   bool stop_reading = false;                              // set before the server starts
@@ -76,8 +78,10 @@ class FakeRouter final : public v1::Router::Service {
 
 class EventPublisherTest : public ::testing::Test {
  protected:
-  void StartServer() {
+  // max_receive_bytes: the fake's largest message (gRPC's default, 4 MiB, when -1).
+  void StartServer(int max_receive_bytes = -1) {
     grpc::ServerBuilder b;
+    if (max_receive_bytes > 0) b.SetMaxReceiveMessageSize(max_receive_bytes);
     b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
     b.RegisterService(&fake_);
     server_ = b.BuildAndStart();
@@ -173,6 +177,35 @@ TEST_F(EventPublisherTest, DumpRequestIsAnsweredOnTheOpenStream) {
   EXPECT_EQ(fake_.full_dumps, 2);
   EXPECT_EQ(fake_.events, 20);
   EXPECT_EQ(pub.dumps_sent(), 2u);
+}
+
+// Batches end at max_batch_bytes, so a dump and a burst of events larger than the
+// router's largest message land whole in one registration. Before, a batch ended only at
+// 65536 events: this dump (~560 KB) was one message over the router's 256 KiB, the stream
+// broke, and every re-registration re-sent the same oversized dump.
+TEST_F(EventPublisherTest, BatchesStayUnderTheRoutersLargestMessage) {
+  StartServer(/*max_receive_bytes=*/256 << 10);
+  EventPublisherOptions o = Options(7000);  // ~80 B per event
+  o.max_batch_bytes = 64 << 10;
+  EventPublisher pub(std::move(o));
+  pub.Start();
+  ASSERT_TRUE(AwaitFake([](FakeRouter& f) ABSL_NO_THREAD_SAFETY_ANALYSIS { return f.events >= 7000; }));
+  // Then a burst queued at once: 300 events of 256 hashes (~4.2 KB each, ~1.3 MB).
+  for (int i = 0; i < 300; ++i) {
+    v1::KvEvent e;
+    v1::BlockStored* s = e.mutable_stored();
+    for (int k = 0; k < 256; ++k) s->add_block_hashes(std::string(16, static_cast<char>('A' + (i + k) % 26)));
+    s->set_kind(v1::STATE_KIND_ATTN_KV);
+    s->set_tier(v1::TIER_GPU);
+    pub.Publish(std::move(e));
+  }
+  ASSERT_TRUE(AwaitFake([](FakeRouter& f) ABSL_NO_THREAD_SAFETY_ANALYSIS { return f.events >= 7300; }));
+  absl::MutexLock l(&fake_.mu);
+  EXPECT_EQ(fake_.registers, 1);
+  EXPECT_EQ(fake_.streams, 1);
+  EXPECT_EQ(fake_.full_dumps, 1);
+  EXPECT_EQ(fake_.events, 7300);
+  EXPECT_GE(fake_.batches, 2 + 1300 * 1000 / (64 << 10));  // each batch <= 64 KiB
 }
 
 // A router that stops reading while a dump far larger than the HTTP/2 window is being

@@ -730,6 +730,9 @@ TEST(RouterMainTest, NonsenseFlagValuesAreRefusedNamingTheFlag) {
       {{"--pool-nvme-bandwidth", "0"}, "--pool-nvme-bandwidth='0' must be > 0"},
       {{"--flops", "1e-300"}, "--flops='1e-300' is outside 1e+06..1e+21 FLOP/s"},
       {{"--flops", "12abc"}, "--flops='12abc' has an unknown suffix"},
+      {{"--max-message-bytes", "1MiB"}, "--max-message-bytes='1MiB' is outside 8388608..2146435072 bytes"},
+      {{"--max-message-bytes", "4GiB"}, "--max-message-bytes='4GiB' is outside 8388608..2146435072 bytes"},
+      {{"--max-message-bytes", "lots"}, "--max-message-bytes"},
   };
   for (const auto& [args, want] : cases) {
     auto [rc, err] = RunRouterMainWith(args);

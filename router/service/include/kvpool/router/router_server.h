@@ -12,6 +12,7 @@
 // Thread safety: all methods are thread-safe; Shutdown is idempotent.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -25,8 +26,16 @@ struct RouterServerOptions {
   std::string listen = "0.0.0.0:50051";
   std::string metrics_host = "0.0.0.0";
   int metrics_port = 9101;  // 0 picks a free port, -1 disables /metrics
+  // The largest request the server parses (gRPC's max receive size). An event batch is
+  // parsed before its stream's source is checked, so streams hold at most
+  // host.max_streams times this; sources send batches of at most 4 MiB
+  // (EventPublisherOptions::max_batch_bytes), a Route of 2^24 tokens takes up to 80 MiB.
   int max_message_bytes = 128 << 20;
 };
+
+// --max-message-bytes bounds: room for a source's 4 MiB batches, and what gRPC's int takes.
+inline constexpr uint64_t kMinRouterMessageBytes = uint64_t{8} << 20;
+inline constexpr uint64_t kMaxRouterMessageBytes = uint64_t{2047} << 20;
 
 class RouterServer {
  public:
