@@ -8,7 +8,21 @@
 #include <iomanip>
 #include <sstream>
 
+#include "kvpool/router/trace.h"
+
 namespace kvpool::kvctl {
+
+void ReportTraceLoad(std::ostream& err, const char* command, const std::string& path, size_t limit,
+                     const trace::Trace& t) {
+  if (t.limited) {
+    err << "kvctl " << command << ": --limit " << limit << ": using the first " << limit << " valid lines of " << path
+        << " (it has more)\n";
+  }
+  for (size_t i = 0; i < t.issues.size() && i < 10; ++i) {
+    err << "kvctl " << command << ": " << path << ":" << t.issues[i].line << ": skipped: " << t.issues[i].reason << "\n";
+  }
+  if (t.issues.size() > 10) err << "kvctl " << command << ": ... and " << t.issues.size() - 10 << " more bad lines\n";
+}
 
 const CLI::Validator& FiniteNumber() {
   static const CLI::Validator check(

@@ -11,6 +11,9 @@
 namespace CLI {
 class Validator;
 }
+namespace kvpool::trace {
+struct Trace;
+}
 
 namespace kvpool::kvctl {
 
@@ -23,6 +26,11 @@ const CLI::Validator& FiniteNumber();
 std::string Fixed(double v, int digits);
 // Thousands separators: WithCommas(327680) == "327,680".
 std::string WithCommas(int64_t v);
+
+// What `kvctl <command>` says on `err` about a trace it loaded from `path`: that --limit
+// cut it, and the first 10 lines it skipped (with how many more there were).
+void ReportTraceLoad(std::ostream& err, const char* command, const std::string& path, size_t limit,
+                     const trace::Trace& t);
 
 // Prints "label  value" lines with the values aligned; a line with an empty value is a
 // heading and does not widen the label column.

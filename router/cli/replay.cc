@@ -148,13 +148,7 @@ void RunReplay(const ReplayArgs& a, Io& io) {
   if (!spec.ok()) return fail(absl::StrCat("--model: ", spec.status().message()), 2);
   auto t = trace::LoadTrace(a.trace, {.trace_block_tokens = a.trace_block_tokens, .strict = a.strict, .limit = a.limit});
   if (!t.ok()) return fail(t.status().message(), t.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1);
-  if (t->limited) {
-    *io.err << "kvctl replay: --limit " << a.limit << ": using the first " << a.limit
-            << " valid lines of " << a.trace << " (it has more)\n";
-  }
-  for (size_t i = 0; i < t->issues.size() && i < 10; ++i) {
-    *io.err << "kvctl replay: " << a.trace << ":" << t->issues[i].line << ": skipped: " << t->issues[i].reason << "\n";
-  }
+  ReportTraceLoad(*io.err, "replay", a.trace, a.limit, *t);
   if (t->requests.empty()) return fail(absl::StrCat("--trace=", a.trace, ": no valid request"), 1);
   auto router = router::RouterClient::Connect(a.router, absl::Seconds(5));
   if (!router.ok()) return fail(router.status().message(), 1);

@@ -173,14 +173,7 @@ void RunSimulate(SimulateArgs& a, Io& io) {
   }
   auto t = trace::LoadTrace(a.trace, {.trace_block_tokens = a.trace_block_tokens, .strict = a.strict, .limit = a.limit});
   if (!t.ok()) return fail(t.status(), t.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1);
-  if (t->limited) {
-    *io.err << "kvctl simulate: --limit " << a.limit << ": using the first " << a.limit
-            << " valid lines of " << a.trace << " (it has more)\n";
-  }
-  for (size_t i = 0; i < t->issues.size() && i < 10; ++i) {
-    *io.err << "kvctl simulate: " << a.trace << ":" << t->issues[i].line << ": skipped: " << t->issues[i].reason << "\n";
-  }
-  if (t->issues.size() > 10) *io.err << "kvctl simulate: ... and " << t->issues.size() - 10 << " more bad lines\n";
+  ReportTraceLoad(*io.err, "simulate", a.trace, a.limit, *t);
   if (t->requests.empty()) return fail(absl::InvalidArgumentError(absl::StrCat("--trace=", a.trace, ": no valid request")), 1);
   auto w = sim::Workload::Build(t->requests, a.trace_block_tokens, a.model);
   if (!w.ok()) return fail(w.status(), 2);
