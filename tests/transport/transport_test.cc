@@ -669,6 +669,26 @@ class RawAmPeer {
     p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
     Wait(ucp_am_send_nbx(ep, kAmPut, hdr.data(), hdr.size(), payload.data(), payload.size(), &p));
   }
+  // Opens `n` puts of `parts` messages each (batch ids first_batch, first_batch + 1, ...)
+  // by sending only their first message, header-only: a record each on the owner.
+  void OpenPuts(ucp_ep_h ep, int n, uint64_t first_batch, uint32_t parts) {
+    for (int i = 0; i < n; ++i) {
+      AmHeader h{};
+      h.batch_id = first_batch + static_cast<uint64_t>(i);
+      h.num_parts = parts;
+      Put(ep, h, {}, {});
+    }
+  }
+  // Message `part` of a put of three (batch `batch`): 64 bytes of `fill` to the start of
+  // owner page part + 1.
+  void PutOneOfThree(ucp_ep_h ep, uint64_t batch, uint32_t part, uint32_t arena_id, uint64_t page_bytes,
+                     std::byte fill) {
+    AmHeader h{};
+    h.batch_id = batch;
+    h.num_parts = 3;
+    h.part = part;
+    Put(ep, h, {WireSeg{arena_id, 0, (part + 1) * page_bytes, 64}}, std::vector<std::byte>(64, fill));
+  }
   const std::string& address() const { return address_; }
   std::vector<std::pair<ucp_ep_h, AmHeader>> requests_;
   std::vector<std::pair<AmHeader, size_t>> responses_;  // header, payload bytes
@@ -797,23 +817,12 @@ TEST_P(TransportTest, OwnerBoundsTheRecordsOfPutsUnderWay) {
     for (int i = 0; i < 5000 && peer.responses_.size() < want; ++i) peer.Progress(absl::Milliseconds(1));
     return peer.responses_.size();
   };
-  for (int i = 0; i < kFit; ++i) {
-    AmHeader h{};
-    h.batch_id = 1000 + i;
-    h.part = 0;
-    h.num_parts = kParts;
-    peer.Put(ep, h, {}, {});
-  }
+  peer.OpenPuts(ep, kFit, 1000, kParts);
   // A put of three messages past the bound: refused once, and none of its bytes land.
   std::byte* owner_bytes = owner_arena_->base();
   std::memset(owner_bytes, 0, 4 * kOwnerPage);
-  AmHeader over{};
-  over.batch_id = 5000;
-  over.num_parts = 3;
   for (uint32_t part = 0; part < 3; ++part) {
-    over.part = part;
-    peer.Put(ep, over, {WireSeg{remote_.arena_id, 0, (part + 1) * kOwnerPage, 64}},
-             std::vector<std::byte>(64, std::byte{0x24}));
+    peer.PutOneOfThree(ep, 5000, part, remote_.arena_id, kOwnerPage, std::byte{0x24});
   }
   ASSERT_EQ(responses(1), 1u) << "the put past the bound is answered (the others wait for their messages)";
   EXPECT_EQ(peer.responses_[0].first.batch_id, 5000u);
@@ -829,6 +838,45 @@ TEST_P(TransportTest, OwnerBoundsTheRecordsOfPutsUnderWay) {
   EXPECT_EQ(peer.responses_[0].first.status, 0u);
   EXPECT_EQ(std::count(owner_bytes, owner_bytes + 64, std::byte{0x42}), 64);
   EXPECT_EQ(std::count(owner_bytes, owner_bytes + 4 * kOwnerPage, std::byte{0x24}), 0);
+}
+
+// A put refused because the owner already tracks 2^16 puts under way keeps a tombstone,
+// so its later messages are dropped even when other puts landed in between and made
+// room. Before, the refused batch kept no record: its later messages, arriving once a
+// record was free, were written into the arena although the initiator was told it failed.
+TEST_P(TransportTest, LaterMessagesOfAPutRefusedAtTheRecordBoundAreDropped) {
+  if (std::string(GetParam().tls) != "tcp") GTEST_SKIP() << "the raw UCX test peer connects over tcp; this mode's workers have shared memory only";
+  RawAmPeer peer;
+  ucp_ep_h ep = peer.Connect(owner_->address());
+  constexpr int kRecords = 1 << 16;  // WorkerImpl::kMaxPendingPutRecords
+  // 2^16 puts of two header-only messages, each with its first message only: a record each.
+  peer.OpenPuts(ep, kRecords, 100000, 2);
+  std::byte* owner_bytes = owner_arena_->base();
+  std::memset(owner_bytes, 0, 4 * kOwnerPage);
+  auto put_over = [&](uint32_t part) {
+    peer.PutOneOfThree(ep, 5000, part, remote_.arena_id, kOwnerPage, std::byte{0x24});
+  };
+  put_over(0);  // refused: no record left
+  AmHeader done{};  // the first put's second message: it lands, its record goes
+  done.batch_id = 100000;
+  done.num_parts = 2;
+  done.part = 1;
+  peer.Put(ep, done, {}, {});
+  put_over(1);
+  put_over(2);
+  AmHeader marker{};  // a one-message put after them: answered once they were handled
+  marker.batch_id = 6000;
+  peer.Put(ep, marker, {WireSeg{remote_.arena_id, 0, 0, 8}}, std::vector<std::byte>(8, std::byte{1}));
+  for (int i = 0; i < 10000 && peer.responses_.size() < 3; ++i) peer.Progress(absl::Milliseconds(1));
+  ASSERT_EQ(peer.responses_.size(), 3u);
+  EXPECT_EQ(peer.responses_[0].first.batch_id, 5000u);
+  EXPECT_EQ(peer.responses_[0].first.status, static_cast<uint32_t>(absl::StatusCode::kResourceExhausted));
+  EXPECT_EQ(peer.responses_[1].first.batch_id, 100000u);
+  EXPECT_EQ(peer.responses_[1].first.status, 0u);
+  EXPECT_EQ(peer.responses_[2].first.batch_id, 6000u);
+  EXPECT_EQ(peer.responses_[2].first.status, 0u);
+  EXPECT_EQ(std::count(owner_bytes, owner_bytes + 4 * kOwnerPage, std::byte{0x24}), 0)
+      << "a message of the refused put was written into the arena";
 }
 
 // Once a put answered once is refused (its initiator told the batch failed), its later

@@ -216,15 +216,25 @@ void WorkerImpl::PutPartDone(ucp_ep_h reply_ep, const AmHeader& h, const absl::S
   PendingPut& pp = it->second;
   pp.last = MonotonicNow();
   if (fresh && pending_puts_.size() > kMaxPendingPutRecords) {
-    // Records (tombstones included) are bounded too: refuse without one. Later messages
-    // of this batch are dropped while the owner stays this full (OnAm).
-    pending_puts_.erase(it);
+    // Records are bounded too: refuse. The refused batch keeps a tombstone (no bits)
+    // past the bound, up to kMaxPendingPutTombstones more: its later messages must find
+    // it, or one arriving after other puts landed and made room would be written into
+    // the arena after its initiator was told the put failed. Only past that second bound
+    // is a batch refused without a record (its later messages are dropped while the owner
+    // stays over the first, OnAm).
     if (reply) {
       SendOwnerReply(reply_ep, kAmPutAck, h.batch_id, h.part,
                      absl::ResourceExhaustedError(absl::StrCat("the owner tracks ", kMaxPendingPutRecords,
                                                                " puts under way (at most); retry once they landed")),
                      {}, {});
     }
+    if (pending_puts_.size() > kMaxPendingPutRecords + kMaxPendingPutTombstones || h.num_parts <= 1) {
+      pending_puts_.erase(it);
+      return;
+    }
+    pp.parts = h.num_parts;
+    pp.refused = true;
+    pp.landed = 1;  // this message, dropped
     return;
   }
   if (fresh) {
