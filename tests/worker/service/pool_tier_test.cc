@@ -72,7 +72,7 @@ TEST(PoolTierTest, LookupsLongerThanOneCallFindEveryBlock) {
   EXPECT_EQ((*tier)->Put(puts), kBlocks * kPage);
   ASSERT_EQ((*tier)->rpc_failures(), 0u);
 
-  PoolLookup found = (*tier)->Lookup(hashes, StateKind::kAttnKv);
+  PoolLookup found = (*tier)->Lookup(hashes, StateKind::kAttnKv, kPage);
   EXPECT_EQ((*tier)->rpc_failures(), 0u);
   ASSERT_EQ(found.found.size(), kBlocks);
   std::vector<size_t> which;
@@ -96,6 +96,47 @@ TEST(PoolTierTest, LookupsLongerThanOneCallFindEveryBlock) {
     if (leases != 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   EXPECT_EQ(leases, 0u);
+}
+
+// An object of another length than the worker's block is a miss: filling part of a page
+// with it would cache the rest of the page (stale bytes) as KV of that hash. Before, the
+// half-page object below was found, and a Get of it landed 2 KiB in a 4 KiB block.
+TEST(PoolTierTest, ObjectsOfAnotherLengthAreMisses) {
+  pool_node::NodeConfig c;
+  c.listen = "127.0.0.1:0";
+  c.metrics_port = -1;
+  c.pool.node_id = "pool-tier-length";
+  c.pool.page_bytes = kPage;
+  c.pool.dram_bytes = 64 * kPage;
+  auto node = pool_node::NodeServer::Start(c);
+  ASSERT_TRUE(node.ok()) << node.status();
+  void* mem = nullptr;
+  ASSERT_EQ(posix_memalign(&mem, kPage, 8 * kPage), 0);
+  std::unique_ptr<std::byte, FreeDeleter> arena(static_cast<std::byte*>(mem));
+  std::memset(arena.get(), 0x3C, 8 * kPage);
+  PoolTierOptions o;
+  o.node_addresses = {absl::StrCat("127.0.0.1:", (*node)->port())};
+  o.client_id = "pool-tier-length";
+  auto tier = PoolTier::Create(o, {arena.get(), 8 * kPage}, kPage);
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  std::vector<BlockHash> hashes;
+  std::vector<PoolPut> puts;
+  for (size_t i = 0; i < 3; ++i) {  // block 1 is half a page
+    hashes.push_back(Hash(100 + i));
+    PoolPut p;
+    p.hash = hashes.back();
+    if (i > 0) p.parent = hashes[i - 1];
+    p.local_pages = {i};
+    p.length = i == 1 ? kPage / 2 : kPage;
+    puts.push_back(std::move(p));
+  }
+  EXPECT_EQ((*tier)->Put(puts), 5 * kPage / 2);
+  PoolLookup found = (*tier)->Lookup(hashes, StateKind::kAttnKv, kPage);
+  ASSERT_EQ(found.found.size(), 3u);
+  EXPECT_TRUE(found.found[0].has_value());
+  EXPECT_FALSE(found.found[1].has_value()) << "a half-page object was found for a 4 KiB block";
+  EXPECT_TRUE(found.found[2].has_value());
+  (*tier)->Release(found);
 }
 
 }  // namespace

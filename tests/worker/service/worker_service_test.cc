@@ -466,6 +466,44 @@ TEST(WorkerService, AFailedStepTakesTheWorkerOutOfService) {
   EXPECT_FALSE(registered()) << "the router still routes to the out-of-service worker";
 }
 
+// A failed step answers the requests that took part in it with its error, and those that
+// waited behind it (never run) UNAVAILABLE naming the out-of-service worker, as a request
+// sent afterwards gets. Before, the waiting ones got the step's own error too (here
+// INTERNAL; a RESOURCE_EXHAUSTED one tells clients to retry this worker).
+TEST(WorkerService, RequestsWaitingBehindAFailedStepAreToldToGoElsewhere) {
+  Cluster cl("failed-step-queue");
+  std::atomic<bool> hold{true};
+  std::atomic<int> forwards{0};
+  WorkerConfig wc;
+  wc.instance_id = "worker-q";
+  wc.forward_fault = [&]() -> absl::Status {
+    ++forwards;
+    while (hold) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return absl::InternalError("injected kernel failure");
+  };
+  Client w(cl.StartWorker(wc));
+  std::mt19937 rng(21);
+  const Tokens p1 = RandomTokens(rng, 20, 512), p2 = RandomTokens(rng, 20, 512);
+  absl::StatusOr<Answer> first, second;
+  std::thread t1([&] { first = w.Generate(p1, 1); });
+  while (forwards == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::thread t2([&] { second = w.Generate(p2, 1); });
+  // The second request queues while the first one's step is held. Had it not arrived
+  // within this time, Submit answers it the same way after the failure: no flake, only
+  // a run that does not exercise the queue.
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  hold = false;
+  t1.join();
+  t2.join();
+  ASSERT_FALSE(first.ok());
+  EXPECT_EQ(first.status().code(), absl::StatusCode::kInternal) << first.status();
+  EXPECT_NE(first.status().message().find("injected kernel failure"), absl::string_view::npos) << first.status();
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable) << second.status().message();
+  EXPECT_NE(second.status().message().find("worker-q is out of service"), absl::string_view::npos) << second.status();
+  EXPECT_EQ(forwards.load(), 1) << "the waiting request never ran";
+}
+
 // Requests beyond --max-queued-requests (queued or running) are refused
 // RESOURCE_EXHAUSTED at once, and served again once the worker has room; a prompt larger
 // than --max-queued-tokens can never be queued: INVALID_ARGUMENT naming tokens.

@@ -159,11 +159,7 @@ absl::Status Engine::Submit(EngineRequest request, EngineDone done) {
   p->counted_tokens = static_cast<int64_t>(p->req.tokens.size());
   absl::MutexLock l(&mu_);
   if (stop_ || !started_) return absl::UnavailableError("the worker is shutting down; send the request elsewhere");
-  if (!out_of_service_.ok()) {
-    return absl::UnavailableError(absl::StrCat("worker ", cfg_.instance_id,
-                                               " is out of service after a failed engine step (",
-                                               out_of_service_.message(), "); send the request elsewhere and restart it"));
-  }
+  if (!out_of_service_.ok()) return OutOfService(out_of_service_);
   if (p->counted_tokens > cfg_.max_queued_prompt_tokens) {
     return absl::InvalidArgumentError(absl::StrCat("tokens: a prompt of ", p->counted_tokens,
                                                    " tokens is more than this worker queues at all (",
@@ -219,21 +215,27 @@ void Engine::Loop() {
     if (cfg_.offload == OffloadMode::kWriteBack) ResolvePages();
     UpdateLoad();
   }
-  FailAll(absl::UnavailableError("the worker is shutting down"));
+  const absl::Status down = absl::UnavailableError("the worker is shutting down");
+  FailAll(down, down);
 }
 
-void Engine::FailAll(const absl::Status& why) {
+absl::Status Engine::OutOfService(const absl::Status& step_error) const {
+  return absl::UnavailableError(absl::StrCat("worker ", cfg_.instance_id, " is out of service after a failed engine step (",
+                                             step_error.message(), "); send the request elsewhere and restart it"));
+}
+
+void Engine::FailAll(const absl::Status& running_why, const absl::Status& waiting_why) {
   std::deque<std::unique_ptr<Pending>> q;
   {
     absl::MutexLock l(&mu_);
     q.swap(queue_);
   }
-  for (auto& p : q) Answer(*p, why);
-  for (auto& p : backlog_) Answer(*p, why);
+  for (auto& p : q) Answer(*p, waiting_why);
+  for (auto& p : backlog_) Answer(*p, waiting_why);
   backlog_.clear();
   for (auto& [id, p] : running_) {
     if (runner_ != nullptr) runner_->Abort(id).IgnoreError();
-    Answer(*p, why);
+    Answer(*p, running_why);
   }
   running_.clear();
 }
@@ -348,7 +350,7 @@ int64_t Engine::FetchFromPool(const std::vector<BlockHash>& chain, int64_t local
   const int64_t b = cfg_.spec.block_tokens;
   const std::span<const BlockHash> rest(chain.data() + local, static_cast<size_t>(usable - local));
   const absl::Time t0 = MonotonicNow();
-  PoolLookup blocks = pool_->Lookup(rest, StateKind::kAttnKv);
+  PoolLookup blocks = pool_->Lookup(rest, StateKind::kAttnKv, static_cast<uint64_t>(runner_->arena().page_bytes()));
   int64_t run = 0;
   while (run < static_cast<int64_t>(rest.size()) && blocks.found[static_cast<size_t>(run)]) ++run;
   // Hybrids: the KDA state at the end of the fetched run comes from the nearest
@@ -363,7 +365,7 @@ int64_t Engine::FetchFromPool(const std::vector<BlockHash>& chain, int64_t local
       if (blk > local) ckpt_hashes.push_back(chain[static_cast<size_t>(blk - 1)]);
     }
     if (!ckpt_hashes.empty()) {
-      ckpts = pool_->Lookup(ckpt_hashes, StateKind::kLinearState);
+      ckpts = pool_->Lookup(ckpt_hashes, StateKind::kLinearState, static_cast<uint64_t>(runner_->arena().state_bytes()));
       for (int64_t i = static_cast<int64_t>(ckpt_hashes.size()) - 1; i >= 0; --i) {
         if (ckpts.found[static_cast<size_t>(i)]) {
           ckpt_index = i;
@@ -466,7 +468,10 @@ void Engine::StepOnce() {
     // Before the requests are answered: a client told of the failure finds the worker
     // out of service already.
     if (handler) handler(finished.status());
-    FailAll(finished.status());
+    // The requests that took part in the step get its error; those still waiting never
+    // ran: UNAVAILABLE, as Submit answers from here on, so their clients go elsewhere
+    // (the step's error may be RESOURCE_EXHAUSTED, "retry later", from this worker).
+    FailAll(finished.status(), OutOfService(finished.status()));
     // The step cached pages its forward pass never wrote (the runner refuses further
     // work): none of what waits to be offloaded may reach the pool.
     offload_queue_.clear();

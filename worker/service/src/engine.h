@@ -182,7 +182,11 @@ class Engine : public cache::KvEventSink {
   void OffloadWriteThrough();
   void ResolvePages();  // write-back: page of every newly cached object
   void UpdateLoad();
-  void FailAll(const absl::Status& why);
+  // Answers every request: those in the runner with `running_why`, the queued and the
+  // backlogged ones (never started) with `waiting_why`.
+  void FailAll(const absl::Status& running_why, const absl::Status& waiting_why);
+  // What a request gets from a worker whose step failed with `step_error`.
+  absl::Status OutOfService(const absl::Status& step_error) const;
   // Backlogged, running or runner-queued requests whose caller gave up: aborted,
   // answered CANCELLED.
   void DropCancelled();

@@ -111,7 +111,7 @@ size_t PoolTier::live_nodes() const {
   return live;
 }
 
-PoolLookup PoolTier::Lookup(std::span<const BlockHash> hashes, StateKind kind) {
+PoolLookup PoolTier::Lookup(std::span<const BlockHash> hashes, StateKind kind, uint64_t length) {
   PoolLookup out;
   out.found.resize(hashes.size());
   std::vector<std::vector<size_t>> by_node(nodes_.size());
@@ -139,11 +139,18 @@ PoolLookup PoolTier::Lookup(std::span<const BlockHash> hashes, StateKind kind) {
       }
       // Objects come back in chain order; match them to our indices by hash.
       const size_t lease_index = lease->lease_id != 0 ? out.leases.size() : SIZE_MAX;
-      size_t j = 0;
+      size_t j = 0, misfits = 0;
       for (const pool_node::RemoteObject& obj : lease->objects) {
         while (j < mine.size() && !(mine[j] == obj.key.hash)) ++j;
         if (j == mine.size()) break;
-        out.found[all[begin + j]] = PoolFound{node, obj, lease_index};
+        if (obj.length == length) {
+          out.found[all[begin + j]] = PoolFound{node, obj, lease_index};
+        } else if (misfits++ == 0) {
+          spdlog::warn("pool node {}: {} holds {} bytes, not the {} of this model's {}: a miss (is a worker "
+                       "with another model of the same name writing to this pool?)",
+                       nodes_[node].address, obj.key.hash.ToHex(), obj.length, length,
+                       kind == StateKind::kAttnKv ? "blocks" : "states");
+        }
         ++j;
       }
       if (lease->lease_id != 0) {

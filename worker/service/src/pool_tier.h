@@ -80,7 +80,10 @@ class PoolTier {
   ~PoolTier();
 
   // Presence of each hash (of one kind) on its owner node. Unreachable nodes: misses.
-  PoolLookup Lookup(std::span<const BlockHash> hashes, StateKind kind);
+  // So are objects of another length than `length` (the bytes of one block or state of
+  // this worker's model): a writer whose model shares the name but not the shape put
+  // them, and a Get of fewer bytes would leave the rest of the page stale, cached as KV.
+  PoolLookup Lookup(std::span<const BlockHash> hashes, StateKind kind, uint64_t length);
   // Copies found[i] (i in `which`) into dst[k] pages of the arena. An error means
   // nothing usable landed (the caller drops the import and recomputes).
   absl::Status Get(const PoolLookup& lookup, std::span<const size_t> which,
