@@ -18,6 +18,10 @@
 //     cannot make room and fail without evicting anything.
 //  6. The parent links of one kind form no cycle (Insert drops a link that would close
 //     one), so every chain ends and every object can become a leaf.
+//  7. An object's kids_in[t] is the number of its children (children_) with a copy in
+//     tier t: AddCopy and DropCopy move the parent's count, Insert counts a new
+//     object's children once. So a leaf test costs O(1), not a walk over every child
+//     (a shared prefix with 20k continuations made each sibling's change O(20k)).
 #pragma once
 
 #include <atomic>
@@ -54,6 +58,7 @@ struct Object {
   std::shared_ptr<absl::Notification> promotion;  // set while being promoted
   bool announced = false;  // LINEAR_STATE only (invariant 4)
   uint64_t held_pages = 0;  // DRAM pages counted in Impl::held_by_kind_ (invariant 5)
+  uint64_t kids_in[kNumTiers] = {0, 0};  // children with a copy in each tier (invariant 7)
 };
 
 struct ReservedEntry {
@@ -166,8 +171,13 @@ class PoolCore::Impl {
   // --- bookkeeping (core_objects.cc) ---
   Object* Find(const ObjectKey& k) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool Visible(const Object& o) const { return o.key.kind == StateKind::kAttnKv || o.announced; }
-  size_t ChildrenIn(const Object& o, int t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);  // with a copy in t
-  bool HasChildIn(const Object& o, int t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ChildrenIn(o, t) != 0; }
+  // Children of `o` with a copy in t, counted by walking them (Insert's count of a new
+  // object's children; everything else reads o.kids_in, invariant 7).
+  size_t CountChildrenIn(const Object& o, int t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  size_t ChildrenIn(const Object& o, int t) const { return o.kids_in[t]; }
+  bool HasChildIn(const Object& o, int t) const { return o.kids_in[t] != 0; }
+  // A child's copy in t came (+1) or went (-1): its parent's count follows.
+  void CountInParent(const Object& child, int t, int delta) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RefreshLeaf(Object& o, int t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RefreshParent(const Object& o) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Touch(Object& o) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -19,7 +19,7 @@ Object* PoolCore::Impl::Find(const ObjectKey& k) {
   return it == objects_.end() ? nullptr : it->second.get();
 }
 
-size_t PoolCore::Impl::ChildrenIn(const Object& o, int t) {
+size_t PoolCore::Impl::CountChildrenIn(const Object& o, int t) {
   auto it = children_.find(o.key);
   if (it == children_.end()) return 0;
   size_t n = 0;
@@ -28,6 +28,13 @@ size_t PoolCore::Impl::ChildrenIn(const Object& o, int t) {
     n += child != nullptr && child->copy[t];
   }
   return n;
+}
+
+void PoolCore::Impl::CountInParent(const Object& child, int t, int delta) {
+  if (!child.parent) return;
+  Object* p = Find(ObjectKey{*child.parent, child.key.kind});
+  if (p == nullptr) return;
+  p->kids_in[t] += static_cast<uint64_t>(static_cast<int64_t>(delta));
 }
 
 void PoolCore::Impl::RefreshLeaf(Object& o, int t) {
@@ -64,9 +71,11 @@ Object* PoolCore::Impl::Insert(std::unique_ptr<Object> o) {
     // of another, so none would ever be a leaf, evicted or demoted. Existing chains are
     // acyclic, so the walk ends at a chain start, a missing parent or this hash; the
     // bound only guards against cycles recovered from a journal written before this
-    // check existed.
+    // check existed. A cycle through this hash needs a child of it: without one (a
+    // chain growing at its tail) there is no walk, which made a chain of L blocks O(L^2).
     BlockHash at = *p->parent;
-    for (size_t steps = 0; steps <= objects_.size(); ++steps) {
+    const bool has_children = children_.contains(p->key);
+    for (size_t steps = 0; has_children && steps <= objects_.size(); ++steps) {
       if (at == p->key.hash) {
         spdlog::warn("block {} ({}): parent {} leads back to it; storing it as a chain start",
                      p->key.hash.ToHex(), std::string(StateKindName(p->key.kind)),
@@ -80,6 +89,9 @@ Object* PoolCore::Impl::Insert(std::unique_ptr<Object> o) {
     }
   }
   if (p->parent) children_[ObjectKey{*p->parent, p->key.kind}].insert(p->key.hash);
+  // Children stored before this object (their parent link named it already) count now;
+  // the new object itself has no copy yet, so its parent's counts stay as they are.
+  for (int t = 0; t < kNumTiers; ++t) p->kids_in[t] = CountChildrenIn(*p, t);
   objects_.emplace(p->key, std::move(o));
   if (p->key.kind == StateKind::kLinearState) p->announced = KvPrefixPresent(p->key.hash);
   return p;
@@ -87,6 +99,7 @@ Object* PoolCore::Impl::Insert(std::unique_ptr<Object> o) {
 
 void PoolCore::Impl::AddCopy(Object& o, int t, std::vector<uint32_t> pages) {
   const bool first_copy = !o.copy[0] && !o.copy[1];
+  if (!o.copy[t]) CountInParent(o, t, +1);
   o.copy[t] = true;
   used_by_kind_[t][KindIndex(o.key.kind)] += pages.size();
   o.pages[t] = std::move(pages);
@@ -104,6 +117,7 @@ void PoolCore::Impl::DropCopy(Object& o, int t) {
   if (o.in_leaves[t]) leaves_[t].erase({o.tick, o.key});
   o.in_leaves[t] = false;
   o.copy[t] = false;
+  CountInParent(o, t, -1);
   absl::Status journal;
   if (t == static_cast<int>(Tier::kNvme)) journal = nvme_->JournalRemove({&o.key, 1});
   if (journal.ok()) {
@@ -174,6 +188,11 @@ void PoolCore::Impl::Announce(Object& lin, bool on) {
 // A KV object appeared: checkpoints at it and below it whose chain is now complete
 // become visible.
 void PoolCore::Impl::AnnounceBelow(const BlockHash& h) {
+  // Nothing at or below h to announce (a chain growing at its tail, the common case):
+  // skip the walk to the chain start, which made a chain of L blocks cost O(L^2).
+  if (Find(ObjectKey{h, StateKind::kLinearState}) == nullptr && !children_.contains(ObjectKey{h, StateKind::kAttnKv})) {
+    return;
+  }
   if (!KvPrefixPresent(h)) return;
   std::vector<BlockHash> stack = {h};
   while (!stack.empty()) {

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <random>
 #include <thread>
 
 #include <xxhash.h>
@@ -70,6 +71,56 @@ class NvmeTierTest : public ::testing::Test {
   testing::TempDir dir_;
   ManualClock clock_;
 };
+
+// The leaf sets and per-tier child counts the core keeps incrementally match a full walk
+// after every operation of a random run over a branching forest: puts of children before
+// their parents, DRAM eviction by Reserves, demotions, NVMe eviction, promotions by
+// Lookup, lease releases.
+TEST_F(NvmeTierTest, IncrementalLeafBookkeepingMatchesAFullWalk) {
+  auto core = Make(24, 48);
+  ASSERT_NE(core, nullptr);
+  std::mt19937 rng(12345);
+  constexpr uint64_t kHashes = 80;
+  // parent[i] < i, or none: a forest in which many blocks share a parent.
+  std::vector<std::optional<uint64_t>> parent(kHashes);
+  for (uint64_t i = 1; i < kHashes; ++i) {
+    if (rng() % 5 != 0) {
+      parent[i] = rng() % std::min<uint64_t>(i, 12);
+    }
+  }
+  auto chain_to = [&](uint64_t i) {
+    std::vector<BlockHash> c;
+    for (std::optional<uint64_t> at = i; at; at = parent[*at]) c.insert(c.begin(), H(*at));
+    return c;
+  };
+  for (int step = 0; step < 600; ++step) {
+    const uint64_t i = rng() % kHashes;
+    const int op = static_cast<int>(rng() % 10);
+    if (op < 6) {  // a put (of one or two pages; refused when nothing can be evicted)
+      const size_t bytes = (1 + rng() % 2) * kPage;
+      Put(*core, H(i), parent[i] ? std::optional<BlockHash>(H(*parent[i])) : std::nullopt, Pattern(i, bytes))
+          .IgnoreError();
+    } else if (op < 8) {
+      core->Demote(1 + rng() % 6);
+    } else {  // a lookup (promoting NVMe hits), released at once or left to expire
+      LookupSpec spec;
+      spec.hashes = chain_to(i);
+      spec.lease_ms = 100;
+      auto a = core->Lookup(spec);
+      if (a.ok() && a->lease_id != 0 && rng() % 2 == 0) {
+        ASSERT_TRUE(core->Release(a->lease_id).ok());
+      }
+      clock_.AdvanceMs(40);
+      core->RunMaintenance();
+    }
+    const absl::Status st = core->CheckIndex();
+    ASSERT_TRUE(st.ok()) << "step " << step << " (op " << op << ", hash " << i << "): " << st;
+  }
+  const PoolStatsSnapshot s = core->Stats();
+  EXPECT_GT(s.tiers[static_cast<int>(Tier::kNvme)].objects, 0u) << "the run never reached the NVMe tier";
+  EXPECT_GT(s.tiers[static_cast<int>(Tier::kDram)].evictions + s.tiers[static_cast<int>(Tier::kNvme)].evictions, 0u)
+      << "the run never evicted";
+}
 
 TEST_F(NvmeTierTest, DemotionThenPromotionIsByteExact) {
   auto core = Make(32, 64);

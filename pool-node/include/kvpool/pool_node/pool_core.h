@@ -275,6 +275,10 @@ class PoolCore {
 
   PoolStatsSnapshot Stats() const;
   std::optional<ObjectInfo> Inspect(const ObjectKey& key) const;
+  // Walks the whole index and checks what the core keeps incrementally: every object has
+  // a copy, the leaf sets, the per-tier child counts (core_impl.h, invariants 1, 2 and 7).
+  // INTERNAL naming the first object that breaks one. O(objects x children): for tests.
+  absl::Status CheckIndex() const;
   // Every visible copy, for a full event dump: fn(key, parent, tier).
   void ForEachVisible(
       const std::function<void(const ObjectKey&, const std::optional<BlockHash>&, Tier)>& fn) const;
