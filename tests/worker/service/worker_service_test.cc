@@ -191,6 +191,7 @@ class Cluster {
   }
   router::RouterServer* router() { return router_.get(); }
   int worker_port(size_t i) const { return workers_[i]->port(); }
+  WorkerServer& worker(size_t i) { return *workers_[i]; }
   void StopWorkers() { workers_.clear(); }
 
  private:
@@ -502,6 +503,49 @@ TEST(WorkerService, RequestsWaitingBehindAFailedStepAreToldToGoElsewhere) {
   EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable) << second.status().message();
   EXPECT_NE(second.status().message().find("worker-q is out of service"), absl::string_view::npos) << second.status();
   EXPECT_EQ(forwards.load(), 1) << "the waiting request never ran";
+}
+
+// Shutdown lets a request already in the worker finish (drain), turns new ones away
+// UNAVAILABLE and says NOT_SERVING first. Before, the gRPC server stopped first and
+// cancelled every call still running after 2 s: this 3 s request got CANCELLED.
+TEST(WorkerService, ShutdownDrainsRequestsInFlight) {
+  Cluster cl("drain");
+  std::atomic<bool> hold{true};
+  std::atomic<int> forwards{0};
+  WorkerConfig wc;
+  wc.forward_fault = [&]() -> absl::Status {
+    ++forwards;
+    while (hold) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return absl::OkStatus();
+  };
+  wc.drain_timeout_ms = 60'000;
+  const int port = cl.StartWorker(wc);
+  Client w(port);
+  std::mt19937 rng(31);
+  absl::StatusOr<Answer> first;
+  std::thread t([&] { first = w.Generate(RandomTokens(rng, 20, 512), 2); });
+  while (forwards == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::thread stopper([&] { cl.worker(0).Shutdown(); });
+  // Once health says NOT_SERVING the worker takes no new request.
+  auto health_stub = grpc::health::v1::Health::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+  grpc::health::v1::HealthCheckResponse::ServingStatus status = grpc::health::v1::HealthCheckResponse::SERVING;
+  for (int i = 0; i < 5000 && status == grpc::health::v1::HealthCheckResponse::SERVING; ++i) {
+    grpc::ClientContext ctx;
+    grpc::health::v1::HealthCheckResponse resp;
+    if (health_stub->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &resp).ok()) status = resp.status();
+    if (status == grpc::health::v1::HealthCheckResponse::SERVING) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_EQ(status, grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  auto refused = w.Generate(RandomTokens(rng, 20, 512), 1);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable) << refused.status();
+  std::this_thread::sleep_for(std::chrono::seconds(3));  // past the server's 2 s grace
+  hold = false;
+  t.join();
+  stopper.join();
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->output.size(), 2u);
 }
 
 // Requests beyond --max-queued-requests (queued or running) are refused
@@ -1007,6 +1051,10 @@ TEST(WorkerFlags, RefusedNamingTheFlag) {
   c.advertise = "";
   c.metrics_port = -7;
   refused_at_start(c, "--metrics-port");
+  c.metrics_port = -1;
+  c.drain_timeout_ms = -1;
+  refused_at_start(c, "--drain-timeout-ms");
+  EXPECT_FALSE(parse({"--drain-timeout-ms", "-5"}).ok());
 }
 
 // A request's prefix hit splits into local and pool tokens by position: the local

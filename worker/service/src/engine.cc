@@ -151,6 +151,22 @@ void Engine::Stop() {
   if (thread_.joinable()) thread_.join();
 }
 
+void Engine::RefuseNew() {
+  absl::MutexLock l(&mu_);
+  draining_ = true;
+}
+
+void Engine::Drain(absl::Duration timeout) {
+  absl::MutexLock l(&mu_);
+  draining_ = true;
+  if (!started_) return;
+  auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return in_engine_requests_ == 0; };
+  if (!mu_.AwaitWithTimeout(absl::Condition(&drained), timeout)) {
+    spdlog::warn("shutdown: {} requests still in the worker after the {} drain; answering them UNAVAILABLE",
+                 in_engine_requests_, absl::FormatDuration(timeout));
+  }
+}
+
 absl::Status Engine::Submit(EngineRequest request, EngineDone done) {
   auto p = std::make_unique<Pending>();
   p->req = std::move(request);
@@ -158,7 +174,9 @@ absl::Status Engine::Submit(EngineRequest request, EngineDone done) {
   p->arrived = MonotonicNow();
   p->counted_tokens = static_cast<int64_t>(p->req.tokens.size());
   absl::MutexLock l(&mu_);
-  if (stop_ || !started_) return absl::UnavailableError("the worker is shutting down; send the request elsewhere");
+  if (stop_ || draining_ || !started_) {
+    return absl::UnavailableError("the worker is shutting down; send the request elsewhere");
+  }
   if (!out_of_service_.ok()) return OutOfService(out_of_service_);
   if (p->counted_tokens > cfg_.max_queued_prompt_tokens) {
     return absl::InvalidArgumentError(absl::StrCat("tokens: a prompt of ", p->counted_tokens,

@@ -99,6 +99,11 @@ class Engine : public cache::KvEventSink {
   void Start();
   // Fails every queued and running request with UNAVAILABLE and joins the thread.
   void Stop();
+  // From now on Submit answers UNAVAILABLE (shutting down).
+  void RefuseNew();
+  // RefuseNew, then waits until the requests already in the engine are answered, at most
+  // `timeout`.
+  void Drain(absl::Duration timeout);
   // Queues a request; `done` runs on the engine thread when it finishes or fails.
   // INVALID_ARGUMENT (naming the field), UNAVAILABLE (stopped, out of service) or
   // RESOURCE_EXHAUSTED (max_queued_requests / max_queued_prompt_tokens) come back directly.
@@ -237,6 +242,7 @@ class Engine : public cache::KvEventSink {
   std::function<void(const absl::Status&)> on_out_of_service_ ABSL_GUARDED_BY(mu_);
   std::deque<std::unique_ptr<Pending>> queue_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;  // Drain: Submit refuses
   bool started_ ABSL_GUARDED_BY(mu_) = false;
   v1::WorkerStats stats_ ABSL_GUARDED_BY(mu_);
   v1::Load load_ ABSL_GUARDED_BY(mu_);

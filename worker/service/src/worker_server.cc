@@ -182,6 +182,9 @@ absl::StatusOr<WorkerConfig> ParseWorkerFlags(int argc, char** argv) {
   app.add_option("--max-queued-tokens", cfg.max_queued_tokens,
                  "prompt tokens of the requests queued or running; more get RESOURCE_EXHAUSTED")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 36));
+  app.add_option("--drain-timeout-ms", cfg.drain_timeout_ms,
+                 "at shutdown, requests already in the worker may finish for this long (new ones get UNAVAILABLE)")
+      ->check(CLI::Range(0, 3'600'000));
   kvpool::RequireDecimalIntegers(app);
   try {
     app.parse(argc, argv);
@@ -221,10 +224,25 @@ struct WorkerServer::State {
   std::unique_ptr<MetricsHttpServer> http;
   std::string describe;
   int port = 0;
+  bool shut_down = false;
+
+  // See WorkerServer::Shutdown. Before, the server stopped first: gRPC cancelled every
+  // call still running after its 2 s grace (the client saw CANCELLED, not UNAVAILABLE).
+  void Shutdown() {
+    if (shut_down) return;
+    shut_down = true;
+    if (engine) engine->RefuseNew();  // before NOT_SERVING: whoever sees it is refused
+    if (server) server->GetHealthCheckService()->SetServingStatus(false);
+    if (publisher) publisher->RequestStop();  // unregisters on its own thread
+    if (engine) {
+      engine->Drain(absl::Milliseconds(cfg.drain_timeout_ms));
+      engine->Stop();  // answers what is left (UNAVAILABLE)
+    }
+    if (server) server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  }
 
   ~State() {
-    if (server) server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
-    if (engine) engine->Stop();  // answers what is left (UNAVAILABLE)
+    Shutdown();
     http.reset();
     publisher.reset();
     server.reset();
@@ -245,6 +263,10 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerConfig c
                                      .id_flag = "--instance-id",
                                      .id = s.cfg.instance_id,
                                      .metrics_port = s.cfg.metrics_port}));
+  if (s.cfg.drain_timeout_ms < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--drain-timeout-ms=", s.cfg.drain_timeout_ms,
+                                                   " must be >= 0 (0: answer what is in the worker at once)"));
+  }
   ASSIGN_OR_RETURN(ModelSpec spec, ResolveModelSpec(s.cfg.model));
   ASSIGN_OR_RETURN(OffloadMode offload, ParseOffloadMode(s.cfg.offload));
   ASSIGN_OR_RETURN(FetchMode fetch, ParseFetchMode(s.cfg.fetch));
@@ -336,10 +358,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerConfig c
 int WorkerServer::port() const { return s_->port; }
 int WorkerServer::metrics_port() const { return s_->http ? s_->http->port() : -1; }
 std::string WorkerServer::DescribeConfig() const { return s_->describe; }
-void WorkerServer::Shutdown() {
-  if (s_->server) s_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  if (s_->engine) s_->engine->Stop();
-}
+void WorkerServer::Shutdown() { s_->Shutdown(); }
 
 int WorkerMain(int argc, char** argv) {
   return RunServiceMain("kvpool-worker", ParseWorkerFlags(argc, argv), &WorkerServer::Start);

@@ -40,6 +40,9 @@ struct WorkerConfig {
   // are refused RESOURCE_EXHAUSTED.
   int64_t max_queued_requests = 4096;
   int64_t max_queued_tokens = int64_t{1} << 26;
+  // Shutdown lets the requests already in the worker finish for up to this long (new ones
+  // get UNAVAILABLE meanwhile); those still there then get UNAVAILABLE.
+  int drain_timeout_ms = 10'000;
   // Fault injection (tests): model::RunnerOptions::forward_fault.
   std::function<absl::Status()> forward_fault;
 };
@@ -56,6 +59,9 @@ class WorkerServer {
   int port() const;
   int metrics_port() const;
   std::string DescribeConfig() const;
+  // Health NOT_SERVING and unregistered from the router first, so traffic goes elsewhere;
+  // then the requests in the worker finish (up to drain_timeout_ms; the rest are answered
+  // UNAVAILABLE) before the gRPC server stops. Idempotent; the destructor calls it.
   void Shutdown();
 
  private:
