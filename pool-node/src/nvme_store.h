@@ -16,8 +16,10 @@
 // process that crashes or restarts recovers them); they are not fsync'ed per record.
 //
 // Thread safety: Transfer may run concurrently from many threads. Journal calls are
-// serialized by an internal mutex (callers may hold their own lock: the journal only
-// does buffered write(2), never an io_uring wait).
+// serialized by an internal mutex (callers may hold their own lock: the journal does
+// buffered write(2), never an io_uring wait; but while a rewrite holds the journal lock
+// through its writes and fsync, after the previous one was dropped for its backlog, see
+// BeginRewrite, an append waits for that fsync, and so does the caller's lock).
 #pragma once
 
 #include <functional>

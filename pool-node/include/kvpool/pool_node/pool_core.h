@@ -47,7 +47,8 @@
 
 namespace kvpool::pool_node {
 
-// Milliseconds since the Unix epoch; injectable so tests drive expiry deterministically.
+// Milliseconds on the node's clock (SystemClock: monotonic, not the Unix epoch);
+// injectable so tests drive expiry deterministically.
 class Clock {
  public:
   virtual ~Clock() = default;
@@ -131,6 +132,8 @@ struct ReserveSlot {
 struct Reservation {
   uint64_t id = 0;
   std::vector<ReserveSlot> slots;  // one per entry, in request order
+  // On the core's Clock (monotonic for SystemClock, despite the name: the proto's field
+  // of that name is filled from ttl_ms by the service). Compare with Clock::NowMs only.
   int64_t expires_unix_ms = 0;
   int64_t ttl_ms = 0;  // time left when made: reserve_timeout_ms
 };
@@ -142,7 +145,9 @@ struct CommitEntrySpec {
 
 struct CommitOutcome {
   BlockHash hash;
-  absl::Status status;  // OK, DATA_LOSS (checksum mismatch: pages freed), NOT_FOUND, INVALID_ARGUMENT
+  // OK, DATA_LOSS (checksum mismatch: the pages are held back one reserve timeout, a late
+  // writer may still be writing into them, then freed), NOT_FOUND, INVALID_ARGUMENT.
+  absl::Status status;
 };
 
 struct LookupSpec {
@@ -160,7 +165,7 @@ struct LookupAnswer {
   uint32_t prefix_blocks = 0;       // hits before the first miss
   std::vector<ObjectDesc> objects;  // hits in chain order
   uint64_t lease_id = 0;            // 0 when nothing was found
-  int64_t lease_expires_unix_ms = 0;
+  int64_t lease_expires_unix_ms = 0;  // on the core's Clock, as Reservation::expires_unix_ms
   int64_t lease_ttl_ms = 0;  // time left when made: the lease's length
 };
 
