@@ -221,10 +221,15 @@ Endpoint::~Endpoint() {
 }
 
 absl::Status Endpoint::ImportArena(const RemoteArena& remote) {
-  if (remote.page_bytes == 0 || remote.size == 0 || remote.size % remote.page_bytes != 0 ||
-      remote.rkey.empty()) {
-    return absl::InvalidArgumentError(
-        "remote arena descriptor is incomplete; pass RemoteArena::Parse() of the owner's bytes");
+  const char* bad = remote.page_bytes == 0                 ? "page_bytes is 0"
+                    : remote.size == 0                      ? "size is 0"
+                    : remote.size % remote.page_bytes != 0  ? "size is not a multiple of page_bytes"
+                    : remote.rkey.empty()                   ? "rkey is empty"
+                                                            : nullptr;
+  if (bad != nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "remote arena ", remote.arena_id, " (size ", remote.size, ", page_bytes ", remote.page_bytes, "): ", bad,
+        "; pass RemoteArena::Parse() of the owner's descriptor bytes"));
   }
   auto key = std::make_shared<RemoteKey>(remote);
   {

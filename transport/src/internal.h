@@ -158,7 +158,10 @@ struct RemoteKey {
   std::string refused;
 };
 
-// A batch in flight. Owned by WorkerImpl::batches_; touched only on the progress thread.
+// A batch in flight. Owned by WorkerImpl::batches_ (a mapped shared-memory batch never
+// enters it: its submitter runs it without the lock); touched under ucx_mu_, by whichever
+// thread holds it (a submitter starting it, the progress thread, a caller driving
+// progress).
 struct Batch {
   WorkerImpl* worker = nullptr;
   uint64_t id = 0;
@@ -230,9 +233,8 @@ class EndpointImpl : public std::enable_shared_from_this<EndpointImpl> {
   mutable std::atomic<int64_t> peer_checked_ns_{0};
   mutable std::atomic<bool> peer_gone_{false};
 
-  // Progress thread only.
+  // Under the worker's ucx_mu_ (like every ucp_ep_h).
   ucp_ep_h ep_ = nullptr;
-  bool closing_ = false;
 
   absl::Status health() const {
     absl::MutexLock l(&mu_);
@@ -278,7 +280,7 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
                       ByteObserver observe = nullptr, ByteCopier copy = nullptr);
   void CloseEndpoint(std::shared_ptr<EndpointImpl> ep);
 
-  // Progress-thread callbacks from UCX.
+  // Callbacks from UCX: they run under ucx_mu_, on whichever thread drives progress.
   void OnOpDone(Batch* b, ucs_status_t status);
   void OwnerOpDone(bool ok);
   void OwnerPutReceived(OwnerOp* op, ucs_status_t status);
@@ -404,8 +406,8 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   int epfd_ = -1;
   int efd_ = -1;
   std::atomic<bool> stop_{false};  // relaxed: polled by the loop, set once
-  uint64_t next_batch_ = 1;        // progress thread only
-  // Progress thread only.
+  uint64_t next_batch_ = 1;        // under ucx_mu_
+  // Under ucx_mu_ (submitters add their batches, progress completes them).
   absl::flat_hash_map<uint64_t, std::unique_ptr<Batch>> batches_;
   // Of batches_, those delivered (their caller answered) but kept because UCX still
   // holds requests of theirs (an abandoned transfer to a dead shared-memory peer): no
@@ -418,9 +420,14 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   struct Closing {
     void* req;
     std::shared_ptr<EndpointImpl> ep;
+    absl::Time since;  // a flush to a dead shared-memory peer may never end: counted as
+                       // work for the progress thread's polling for batch_timeout only
   };
   std::vector<Closing> closing_reqs_;
   void CloseUcpEp(const std::shared_ptr<EndpointImpl>& ep);
+  // Whether a close younger than batch_timeout is waiting: work for the progress
+  // thread's polling (older ones are still reaped, at its idle pace).
+  bool ClosingUnderWay() const;
   std::vector<std::shared_ptr<EndpointImpl>> to_close_;
   int owner_inflight_ = 0;  // owner-side AM receives/sends not yet complete
   // Owner side: puts answered once whose messages have not all landed, by (the

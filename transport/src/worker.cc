@@ -376,8 +376,8 @@ void WorkerImpl::Shutdown() {
     closed_ = true;
   }
   // No mapped copy starts from now on (Submit checks closed_ under ucx_mu_); those
-  // running end on their own, without UCX (a memcpy and the caller's copier, which may
-  // call into this worker: the lock is not held meanwhile).
+  // running end on their own, without UCX (a memcpy and the caller's copier; the lock is
+  // not held meanwhile).
   while (mapped_copies_.load(std::memory_order_acquire) > 0) {
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
@@ -556,7 +556,7 @@ void WorkerImpl::Loop() {
     if (!retired_.empty()) SweepRkeys();
     if (!pending_puts_.empty()) SweepPendingPuts();
     inflight = batches_.size() > delivered_in_table_ || owner_inflight_ > 0;
-    busy = inflight || !closing_reqs_.empty();
+    busy = inflight || ClosingUnderWay();
     was_inflight = busy;
     ready.swap(ready_);
     ucx_mu_.Unlock();
@@ -925,8 +925,17 @@ void WorkerImpl::CloseUcpEp(const std::shared_ptr<EndpointImpl>& ep) {
     std::fprintf(stderr, "kvpool transport: closing endpoint %s: %s\n", ep->name_.c_str(),
                  ucs_status_string(UCS_PTR_STATUS(req)));
   } else if (req != nullptr) {
-    closing_reqs_.push_back({req, ep});
+    closing_reqs_.push_back({req, ep, MonotonicNow()});
   }
+}
+
+bool WorkerImpl::ClosingUnderWay() const {
+  if (closing_reqs_.empty()) return false;
+  const absl::Time now = MonotonicNow();
+  for (const Closing& c : closing_reqs_) {
+    if (now - c.since <= options_.batch_timeout) return true;
+  }
+  return false;
 }
 
 ucp_rkey_h WorkerImpl::RkeyFor(EndpointImpl& ep, RemoteKey& key) {
