@@ -139,5 +139,36 @@ TEST(PoolTierTest, ObjectsOfAnotherLengthAreMisses) {
   (*tier)->Release(found);
 }
 
+// A node that stays down is retried after longer and longer waits (retry_after doubling
+// up to max_retry_after): each retry reconnects on the engine thread and may wait out an
+// RPC timeout there. Before, it was retried every retry_after for good.
+TEST(PoolTierTest, ANodeThatStaysDownIsRetriedLessAndLessOften) {
+  void* mem = nullptr;
+  ASSERT_EQ(posix_memalign(&mem, kPage, 4 * kPage), 0);
+  std::unique_ptr<std::byte, FreeDeleter> arena(static_cast<std::byte*>(mem));
+  PoolTierOptions o;
+  o.node_addresses = {"127.0.0.1:1"};  // nothing listens there: refused at once
+  o.client_id = "pool-tier-backoff";
+  o.rpc_timeout_ms = 500;
+  o.retry_after = absl::Milliseconds(20);
+  o.max_retry_after = absl::Milliseconds(320);
+  auto tier = PoolTier::Create(o, {arena.get(), 4 * kPage}, kPage);
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  const std::vector<BlockHash> hashes = {Hash(1)};
+  const absl::Time end = absl::Now() + absl::Seconds(2);
+  int lookups = 0;
+  while (absl::Now() < end) {
+    PoolLookup l = (*tier)->Lookup(hashes, StateKind::kAttnKv, kPage);
+    EXPECT_FALSE(l.found[0].has_value());
+    ++lookups;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  // Waits of 20, 40, 80, 160, then 320 ms: at most ~10 attempts in 2 s however fast
+  // the machine (each one is a refused connect); a fixed 20 ms wait allowed ~90.
+  const uint64_t attempts = (*tier)->rpc_failures();
+  EXPECT_GE(attempts, 1u);
+  EXPECT_LE(attempts, 12u) << lookups << " lookups";
+}
+
 }  // namespace
 }  // namespace kvpool::worker

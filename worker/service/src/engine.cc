@@ -335,7 +335,6 @@ void Engine::Admit(std::unique_ptr<Pending> p) {
   }
   const int64_t b = cfg_.spec.block_tokens;
   const int64_t n = static_cast<int64_t>(p->req.tokens.size());
-  m_queries_->Increment(static_cast<double>(n));
   // The last prompt token is always computed (its logits give the first output token),
   // so at most (n - 1) / b blocks can be hits.
   const int64_t usable = (n - 1) / b;
@@ -554,6 +553,9 @@ void Engine::Respond(Pending& p, absl::StatusOr<model::GenerateResult> r) {
   t->set_total_s(total);
   m_ttft_->Observe(total);
   m_ok_->Increment();
+  // Queries count where hits do, once the request is answered (as GetStats does): a
+  // failed or cancelled request counted queries and no hits, lowering the hit rate.
+  m_queries_->Increment(static_cast<double>(r->prompt_tokens));
   m_hits_gpu_->Increment(static_cast<double>(gpu_tokens));
   m_hits_pool_->Increment(static_cast<double>(pool_tokens));
   m_fetched_->Increment(static_cast<double>(pool_tokens));

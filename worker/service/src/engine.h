@@ -69,7 +69,7 @@ struct EngineConfig {
 struct EngineRequest {
   std::string request_id;
   std::vector<TokenId> tokens;
-  int32_t max_new_tokens = 16;  // >= 1
+  int32_t max_new_tokens = 16;  // 0..4096 (0: prefill only)
   std::string tenant_salt;
   uint64_t decision_id = 0;
   // Set by the caller (any thread) when nobody waits for the answer any more: the engine

@@ -1,5 +1,7 @@
 #include "pool_tier.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "kvpool/common/clock.h"
 #include "kvpool/common/status.h"
@@ -39,7 +41,11 @@ absl::StatusOr<std::unique_ptr<PoolTier>> PoolTier::Create(PoolTierOptions optio
   wo.batch_timeout = t->opts_.transfer_timeout;
   ASSIGN_OR_RETURN(t->worker_, transport::Worker::Create(t->ucx_, wo));
   ASSIGN_OR_RETURN(t->arena_, t->worker_->RegisterArena(arena_memory, page_bytes));
-  for (const std::string& a : t->opts_.node_addresses) t->nodes_.push_back(Node{a, nullptr, absl::InfinitePast(), "", ""});
+  for (const std::string& a : t->opts_.node_addresses) {
+    Node n;
+    n.address = a;
+    t->nodes_.push_back(std::move(n));
+  }
   for (size_t i = 0; i < t->nodes_.size(); ++i) {
     t->Client(i);  // connect what answers now
     if (!t->nodes_[i].alias_of.empty()) {
@@ -90,19 +96,27 @@ pool_node::PoolClient* PoolTier::Client(size_t node) {
                FormatBytes((*c)->node_page_bytes()));
   n.client = *std::move(c);
   n.last_error.clear();
+  n.next_retry = absl::ZeroDuration();
   return n.client.get();
 }
 
 void PoolTier::MarkDown(size_t node, const absl::Status& why) {
   Node& n = nodes_[node];
   ++rpc_failures_;
+  // A connected node that fails waits retry_after; one that fails again before it
+  // connects waits twice as long each time, up to max_retry_after.
+  if (n.client || n.next_retry <= absl::ZeroDuration()) n.next_retry = opts_.retry_after;
+  const absl::Duration wait = std::min(n.next_retry, std::max(opts_.retry_after, opts_.max_retry_after));
+  n.next_retry = std::min(wait * 2, std::max(opts_.retry_after, opts_.max_retry_after));
   if (n.client || n.last_error.empty()) {
-    spdlog::warn("pool node {} unavailable ({}); its blocks are recomputed, retry in {}", n.address,
-                 std::string(why.message()), absl::FormatDuration(opts_.retry_after));
+    spdlog::warn("pool node {} unavailable ({}); its blocks are recomputed, retry in {} (longer while it stays down, "
+                 "up to {})",
+                 n.address, std::string(why.message()), absl::FormatDuration(wait),
+                 absl::FormatDuration(std::max(opts_.retry_after, opts_.max_retry_after)));
   }
   n.client.reset();
   n.last_error = std::string(why.message());
-  n.down_until = MonotonicNow() + opts_.retry_after;
+  n.down_until = MonotonicNow() + wait;
 }
 
 size_t PoolTier::live_nodes() const {

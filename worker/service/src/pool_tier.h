@@ -40,7 +40,12 @@ struct PoolTierOptions {
   std::vector<std::string> node_addresses;  // kvpool-node gRPC host:port, >= 1
   std::string client_id;                    // the worker's instance id
   int rpc_timeout_ms = 2000;
-  absl::Duration retry_after = absl::Seconds(2);  // a failed node is skipped this long
+  // A failed node is skipped this long, doubling with each failure in a row up to
+  // max_retry_after (a connected call resets it): reconnecting runs on the engine thread
+  // and may wait rpc_timeout_ms on a node that hangs, so a node that stays down must not
+  // stall the engine every 2 s.
+  absl::Duration retry_after = absl::Seconds(2);
+  absl::Duration max_retry_after = absl::Seconds(60);
   // A transfer batch still running after this fails (the transport closes its endpoint
   // and the node is marked down): the engine, which waits for its step's transfers,
   // stalls this long at most on a hung node, not the transport's default of 30 s.
@@ -89,8 +94,10 @@ class PoolTier {
   absl::Status Get(const PoolLookup& lookup, std::span<const size_t> which,
                    std::span<const std::vector<uint64_t>> dst);
   void Release(PoolLookup& lookup);
-  // Stores items on their owner nodes; returns the bytes newly written. Failures are
-  // logged and counted, never fatal (offload is best effort: the GPU copy is intact).
+  // Stores items on their owner nodes; returns the bytes of the items the pool holds
+  // after it: written by this call, or already there (the node answers those without a
+  // transfer, and the count does not tell them apart). Failures are logged and counted,
+  // never fatal (offload is best effort: the GPU copy is intact).
   uint64_t Put(std::span<const PoolPut> items);
 
   size_t num_nodes() const { return nodes_.size(); }
@@ -105,6 +112,7 @@ class PoolTier {
     std::string address;
     std::unique_ptr<pool_node::PoolClient> client;
     absl::Time down_until = absl::InfinitePast();
+    absl::Duration next_retry = absl::ZeroDuration();  // the next failure's wait (0: retry_after)
     std::string last_error;
     std::string alias_of;  // another entry's address that reached the same node process
   };
