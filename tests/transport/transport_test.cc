@@ -879,6 +879,30 @@ TEST_P(TransportTest, LaterMessagesOfAPutRefusedAtTheRecordBoundAreDropped) {
       << "a message of the refused put was written into the arena";
 }
 
+// A message that repeats a part of its batch is refused before its bytes move: the
+// owner's arena keeps the first message's bytes. Before, the duplicate was written into
+// the arena and only then refused.
+TEST_P(TransportTest, ADuplicateMessageOfAPutIsRefusedBeforeItsBytesMove) {
+  if (std::string(GetParam().tls) != "tcp") GTEST_SKIP() << "the raw UCX test peer connects over tcp; this mode's workers have shared memory only";
+  RawAmPeer peer;
+  ucp_ep_h ep = peer.Connect(owner_->address());
+  std::byte* owner_bytes = owner_arena_->base();
+  std::memset(owner_bytes, 0, 4 * kOwnerPage);
+  peer.PutOneOfThree(ep, 8000, 0, remote_.arena_id, kOwnerPage, std::byte{0x11});  // page 1
+  peer.PutOneOfThree(ep, 8000, 0, remote_.arena_id, kOwnerPage, std::byte{0x99});  // page 1 again
+  AmHeader marker{};  // a one-message put after them: answered once they were handled
+  marker.batch_id = 8001;
+  peer.Put(ep, marker, {WireSeg{remote_.arena_id, 0, 0, 8}}, std::vector<std::byte>(8, std::byte{1}));
+  for (int i = 0; i < 5000 && peer.responses_.size() < 2; ++i) peer.Progress(absl::Milliseconds(1));
+  ASSERT_EQ(peer.responses_.size(), 2u);
+  EXPECT_EQ(peer.responses_[0].first.batch_id, 8000u);
+  EXPECT_EQ(peer.responses_[0].first.status, static_cast<uint32_t>(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(peer.responses_[1].first.batch_id, 8001u);
+  EXPECT_EQ(std::count(owner_bytes + kOwnerPage, owner_bytes + kOwnerPage + 64, std::byte{0x11}), 64);
+  EXPECT_EQ(std::count(owner_bytes, owner_bytes + 4 * kOwnerPage, std::byte{0x99}), 0)
+      << "the duplicate's bytes were written into the arena";
+}
+
 // Once a put answered once is refused (its initiator told the batch failed), its later
 // messages are received and dropped: none of their bytes reach the owner's arena.
 TEST_P(TransportTest, LaterMessagesOfARefusedPutAreDropped) {

@@ -11,8 +11,9 @@
 //              counts per message]             one kAmGetResp per message asked for
 //   recv in place (rndv) or memcpy (eager)  <- kAmGetResp [batch, part, status] + data
 //
-// The owner never trusts the header: every segment is checked against a live arena
-// before a byte moves. Callbacks never block: replies are non-blocking sends whose
+// The owner never trusts the header: every segment is checked against a live arena,
+// and a message of a batch answered once against the batch's record, before a byte
+// moves. Callbacks never block: replies are non-blocking sends whose
 // state (header, iov, arena references) lives in an OwnerOp until UCX completes it.
 #include <algorithm>
 #include <cstring>
@@ -387,6 +388,16 @@ ucs_status_t WorkerImpl::OnAm(unsigned id, const void* header, size_t header_len
     if (untrackable || (it != pending_puts_.end() && it->second.refused)) {
       PutPartDone(reply_ep, h, absl::OkStatus());
       return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
+    }
+    // A message that does not fit its batch's record (another message count, a part out
+    // of range or one that came already) is refused before its bytes move, not after.
+    if (it != pending_puts_.end() && !it->second.seen.empty()) {
+      const std::vector<bool>& seen = it->second.seen;
+      if (h.num_parts != seen.size() || h.part >= seen.size() || seen[h.part]) {
+        PutPartDone(reply_ep, h, absl::InvalidArgumentError(absl::StrCat("message ", h.part, " of ", h.num_parts,
+                                                                         " does not fit its batch")));
+        return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
+      }
     }
   }
   if (!rndv) {
