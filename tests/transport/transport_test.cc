@@ -689,6 +689,16 @@ class RawAmPeer {
     h.part = part;
     Put(ep, h, {WireSeg{arena_id, 0, (part + 1) * page_bytes, 64}}, std::vector<std::byte>(64, fill));
   }
+  // Sends a one-message put (batch `batch`, 8 bytes of 1 to the start of page 0) after
+  // whatever came before on `ep`: its ack comes once the owner handled those (in order).
+  // Progresses until `want` responses in all; false if they did not come.
+  bool PutMarker(ucp_ep_h ep, uint64_t batch, uint32_t arena_id, size_t want) {
+    AmHeader marker{};
+    marker.batch_id = batch;
+    Put(ep, marker, {WireSeg{arena_id, 0, 0, 8}}, std::vector<std::byte>(8, std::byte{1}));
+    for (int i = 0; i < 10000 && responses_.size() < want; ++i) Progress(absl::Milliseconds(1));
+    return responses_.size() == want;
+  }
   const std::string& address() const { return address_; }
   std::vector<std::pair<ucp_ep_h, AmHeader>> requests_;
   std::vector<std::pair<AmHeader, size_t>> responses_;  // header, payload bytes
@@ -864,11 +874,7 @@ TEST_P(TransportTest, LaterMessagesOfAPutRefusedAtTheRecordBoundAreDropped) {
   peer.Put(ep, done, {}, {});
   put_over(1);
   put_over(2);
-  AmHeader marker{};  // a one-message put after them: answered once they were handled
-  marker.batch_id = 6000;
-  peer.Put(ep, marker, {WireSeg{remote_.arena_id, 0, 0, 8}}, std::vector<std::byte>(8, std::byte{1}));
-  for (int i = 0; i < 10000 && peer.responses_.size() < 3; ++i) peer.Progress(absl::Milliseconds(1));
-  ASSERT_EQ(peer.responses_.size(), 3u);
+  ASSERT_TRUE(peer.PutMarker(ep, 6000, remote_.arena_id, 3)) << peer.responses_.size();
   EXPECT_EQ(peer.responses_[0].first.batch_id, 5000u);
   EXPECT_EQ(peer.responses_[0].first.status, static_cast<uint32_t>(absl::StatusCode::kResourceExhausted));
   EXPECT_EQ(peer.responses_[1].first.batch_id, 100000u);
@@ -890,11 +896,7 @@ TEST_P(TransportTest, ADuplicateMessageOfAPutIsRefusedBeforeItsBytesMove) {
   std::memset(owner_bytes, 0, 4 * kOwnerPage);
   peer.PutOneOfThree(ep, 8000, 0, remote_.arena_id, kOwnerPage, std::byte{0x11});  // page 1
   peer.PutOneOfThree(ep, 8000, 0, remote_.arena_id, kOwnerPage, std::byte{0x99});  // page 1 again
-  AmHeader marker{};  // a one-message put after them: answered once they were handled
-  marker.batch_id = 8001;
-  peer.Put(ep, marker, {WireSeg{remote_.arena_id, 0, 0, 8}}, std::vector<std::byte>(8, std::byte{1}));
-  for (int i = 0; i < 5000 && peer.responses_.size() < 2; ++i) peer.Progress(absl::Milliseconds(1));
-  ASSERT_EQ(peer.responses_.size(), 2u);
+  ASSERT_TRUE(peer.PutMarker(ep, 8001, remote_.arena_id, 2)) << peer.responses_.size();
   EXPECT_EQ(peer.responses_[0].first.batch_id, 8000u);
   EXPECT_EQ(peer.responses_[0].first.status, static_cast<uint32_t>(absl::StatusCode::kInvalidArgument));
   EXPECT_EQ(peer.responses_[1].first.batch_id, 8001u);
@@ -921,13 +923,7 @@ TEST_P(TransportTest, LaterMessagesOfARefusedPutAreDropped) {
     peer.Put(ep, h, {WireSeg{remote_.arena_id, 0, (part - 1) * kOwnerPage, 64}},
              std::vector<std::byte>(64, std::byte{0x77}));
   }
-  // A one-message put after them on the same endpoint: its ack comes once the owner
-  // handled the messages before it (in order).
-  AmHeader marker{};
-  marker.batch_id = 7001;
-  peer.Put(ep, marker, {WireSeg{remote_.arena_id, 0, 4 * kOwnerPage, 8}}, std::vector<std::byte>(8, std::byte{1}));
-  for (int i = 0; i < 5000 && peer.responses_.size() < 2; ++i) peer.Progress(absl::Milliseconds(1));
-  ASSERT_EQ(peer.responses_.size(), 2u);
+  ASSERT_TRUE(peer.PutMarker(ep, 7001, remote_.arena_id, 2)) << peer.responses_.size();
   EXPECT_EQ(peer.responses_[0].first.batch_id, 7000u);
   EXPECT_EQ(peer.responses_[0].first.part, 0u);
   EXPECT_NE(peer.responses_[0].first.status, 0u);
