@@ -120,12 +120,14 @@ stop_one() {  # stop_one <name>
   local name="$1" pid i
   if pid="$(pid_of "$name")"; then
     kill -TERM "$pid" 2>/dev/null || true
-    for ((i = 0; i < 100; i++)); do  # up to 10 s for a clean exit
+    # Up to 20 s for a clean exit: a worker drains its requests for up to 10 s
+    # (--drain-timeout-ms), then stops its gRPC server (2 s) and unregisters (1 s).
+    for ((i = 0; i < 200; i++)); do
       pid_of "$name" >/dev/null || break
       sleep 0.1
     done
     if pid_of "$name" >/dev/null; then
-      echo "cluster.sh: $name (pid $pid) ignored SIGTERM for 10 s; sending SIGKILL" >&2
+      echo "cluster.sh: $name (pid $pid) ignored SIGTERM for 20 s; sending SIGKILL" >&2
       kill -KILL "$pid" 2>/dev/null || true
       for ((i = 0; i < 50; i++)); do
         pid_of "$name" >/dev/null || break

@@ -71,10 +71,11 @@ Object* PoolCore::Impl::Insert(std::unique_ptr<Object> o) {
     // of another, so none would ever be a leaf, evicted or demoted. Existing chains are
     // acyclic, so the walk ends at a chain start, a missing parent or this hash; the
     // bound only guards against cycles recovered from a journal written before this
-    // check existed. A cycle through this hash needs a child of it: without one (a
-    // chain growing at its tail) there is no walk, which made a chain of L blocks O(L^2).
+    // check existed. A cycle through this hash needs a child of it (or a link to itself):
+    // without one (a chain growing at its tail) there is no walk, which made a chain of
+    // L blocks O(L^2).
     BlockHash at = *p->parent;
-    const bool has_children = children_.contains(p->key);
+    const bool has_children = children_.contains(p->key) || *p->parent == p->key.hash;
     for (size_t steps = 0; has_children && steps <= objects_.size(); ++steps) {
       if (at == p->key.hash) {
         spdlog::warn("block {} ({}): parent {} leads back to it; storing it as a chain start",

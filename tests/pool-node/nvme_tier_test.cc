@@ -380,15 +380,16 @@ TEST_F(NvmeTierTest, CorruptionAfterRestartIsDetectedToo) {
 }
 
 // A journal ADD record as NvmeStore writes it: [u32 len][u8 type=1 + payload][u64 XXH3].
-std::string ForgedAdd(BlockHash h, uint8_t kind, uint64_t length, std::vector<uint32_t> pages) {
+std::string ForgedAdd(BlockHash h, uint8_t kind, uint64_t length, std::vector<uint32_t> pages,
+                      std::optional<BlockHash> parent = std::nullopt) {
   std::string body(1, '\x01');
   auto put = [&](uint64_t v, int n) { body.append(reinterpret_cast<const char*>(&v), n); };
   put(h.lo, 8);
   put(h.hi, 8);
   put(kind, 1);
-  put(0, 1);  // no parent
-  put(0, 8);
-  put(0, 8);
+  put(parent ? 1 : 0, 1);
+  put(parent ? parent->lo : 0, 8);
+  put(parent ? parent->hi : 0, 8);
   put(length, 8);
   put(0, 8);  // checksum
   put(pages.size(), 4);
@@ -450,6 +451,35 @@ TEST_F(NvmeTierTest, JournalRecordsThatCannotBeRightAreDroppedAtRestart) {
   core = Make(16, 64);
   EXPECT_EQ(core->Stats().tiers[1].objects, 1u);
   EXPECT_TRUE(core->Inspect({H(0), StateKind::kAttnKv}));
+}
+
+// A journal record naming its own hash as parent (Reserve refuses such a link, so only a
+// damaged or hand-made journal has one) is recovered as a chain start: counted as its own
+// child, it would never be a leaf, so never evicted.
+TEST_F(NvmeTierTest, ASelfParentInTheJournalIsRecoveredAsAChainStart) {
+  {
+    auto core = Make(16, 64);
+    PutChain(*core, 0, 1, kPage);
+    ASSERT_EQ(core->Demote(100), 1u);
+  }
+  {
+    const std::string journal = dir_.path() + "/kvpool-nvme.journal";
+    int fd = ::open(journal.c_str(), O_WRONLY | O_APPEND);
+    ASSERT_GE(fd, 0);
+    const std::string forged = ForgedAdd(H(60), 0, kPage, {50}, H(60));
+    ASSERT_EQ(::write(fd, forged.data(), forged.size()), static_cast<ssize_t>(forged.size()));
+    ::close(fd);
+  }
+  auto core = Make(16, 64);
+  ASSERT_TRUE(core->Inspect({H(60), StateKind::kAttnKv}).has_value());
+  int seen = 0;
+  core->ForEachVisible([&](const ObjectKey& k, const std::optional<BlockHash>& parent, Tier) {
+    if (k.hash != H(60)) return;
+    ++seen;
+    EXPECT_FALSE(parent.has_value()) << "the self link was kept";
+  });
+  EXPECT_EQ(seen, 1);
+  EXPECT_TRUE(core->CheckIndex().ok());
 }
 
 // A journal damaged in the middle (a flipped bit in one record) loses that record only:

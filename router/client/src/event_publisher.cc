@@ -12,16 +12,19 @@ namespace kvpool::router {
 namespace {
 constexpr size_t kMaxEventsPerBatch = 65536;
 
-// Where a batch ends: kMaxEventsPerBatch events, or max_bytes of encoded events (the
+// Where a batch ends: kMaxEventsPerBatch events, or max_bytes of encoded batch (the
 // first event is always taken, so a batch is never empty).
 class BatchBound {
  public:
-  explicit BatchBound(size_t max_bytes) : max_bytes_(max_bytes) {}
-  // Whether `e` still fits; if so, it is counted.
+  // The batch's own fields (source_id of at most 128 bytes, registration, flags) count
+  // from the start.
+  explicit BatchBound(size_t max_bytes) : max_bytes_(max_bytes), bytes_(kBatchFieldsBytes) {}
+  // Whether `e` still fits; if so, it is counted. `e` is counted as sent: with the
+  // sequence number it gets then (at most 11 bytes) and its entry's tag and length
+  // prefix (at most 6).
   bool Take(const v1::KvEvent& e) {
     if (events_ == kMaxEventsPerBatch) return false;
-    // The field's tag and length prefix, as EventBatch.events encodes each entry.
-    const size_t size = e.ByteSizeLong() + 6;
+    const size_t size = e.ByteSizeLong() + 11 + 6;
     if (events_ > 0 && bytes_ + size > max_bytes_) return false;
     ++events_;
     bytes_ += size;
@@ -29,9 +32,10 @@ class BatchBound {
   }
 
  private:
+  static constexpr size_t kBatchFieldsBytes = 256;
   const size_t max_bytes_;
   size_t events_ = 0;
-  size_t bytes_ = 0;
+  size_t bytes_;
 };
 // Completed decisions kept for the next heartbeat, at most (older ones time out in the
 // router anyway).

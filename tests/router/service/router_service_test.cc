@@ -741,6 +741,18 @@ TEST(RouterMainTest, NonsenseFlagValuesAreRefusedNamingTheFlag) {
   }
 }
 
+TEST(RouterMainTest, StartRefusesAMessageBoundBelowASourcesBatch) {
+  RouterServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.metrics_port = -1;
+  o.max_message_bytes = 1 << 20;
+  auto s = RouterServer::Start(o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("--max-message-bytes=1048576 is below 8 MiB"), absl::string_view::npos)
+      << s.status();
+}
+
 TEST(RouterMainTest, HeartbeatTimeoutShorterThanTwoIntervalsIsRefused) {
   // The default --heartbeat-timeout (10 s) with a 60 s interval: every source dropped.
   auto [rc, err] = RunRouterMainWith({"--heartbeat-interval-ms", "60000"});

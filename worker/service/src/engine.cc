@@ -485,9 +485,9 @@ void Engine::StepOnce() {
     // Before the requests are answered: a client told of the failure finds the worker
     // out of service already.
     if (handler) handler(finished.status());
-    // The requests that took part in the step get its error; those still waiting never
-    // ran: UNAVAILABLE, as Submit answers from here on, so their clients go elsewhere
-    // (the step's error may be RESOURCE_EXHAUSTED, "retry later", from this worker).
+    // The requests in the runner get the step's error; those queued or backlogged never
+    // reached it: UNAVAILABLE, as Submit answers from here on, so their clients go
+    // elsewhere (the step's error may be RESOURCE_EXHAUSTED, "retry later", from here).
     FailAll(finished.status(), OutOfService(finished.status()));
     // The step cached pages its forward pass never wrote (the runner refuses further
     // work): none of what waits to be offloaded may reach the pool.

@@ -159,7 +159,8 @@ PoolLookup PoolTier::Lookup(std::span<const BlockHash> hashes, StateKind kind, u
         if (j == mine.size()) break;
         if (obj.length == length) {
           out.found[all[begin + j]] = PoolFound{node, obj, lease_index};
-        } else if (misfits++ == 0) {
+        } else if (misfits++ == 0 && !nodes_[node].warned_length) {
+          nodes_[node].warned_length = true;  // once per node: it would come with every Lookup
           spdlog::warn("pool node {}: {} holds {} bytes, not the {} of this model's {}: a miss (is a worker "
                        "with another model of the same name writing to this pool?)",
                        nodes_[node].address, obj.key.hash.ToHex(), obj.length, length,

@@ -115,6 +115,7 @@ class PoolTier {
     absl::Duration next_retry = absl::ZeroDuration();  // the next failure's wait (0: retry_after)
     std::string last_error;
     std::string alias_of;  // another entry's address that reached the same node process
+    bool warned_length = false;  // logged an object of another length than ours
   };
   PoolTier() = default;
   pool_node::PoolClient* Client(size_t node);  // connects lazily; null while down

@@ -72,8 +72,8 @@ struct EventPublisherOptions {
   // its heartbeat timeout.
   bool unregister_on_stop = true;
   absl::Duration unregister_timeout = absl::Seconds(1);
-  // A batch on the stream ends at 65536 events or once its events' encoded bytes would
-  // pass this (at least one event each; one event of 4096 hashes is ~66 KB). It must stay
+  // A batch on the stream ends at 65536 events or once its encoded bytes would pass this
+  // (at least one event each; one event of 4096 hashes is ~74 KB). It must stay
   // under the router's largest message (kvpool-router --max-message-bytes, 128 MiB by
   // default): a batch beyond it breaks the stream at every attempt.
   size_t max_batch_bytes = size_t{4} << 20;

@@ -59,9 +59,11 @@ class WorkerServer {
   int port() const;
   int metrics_port() const;
   std::string DescribeConfig() const;
-  // Health NOT_SERVING and unregistered from the router first, so traffic goes elsewhere;
-  // then the requests in the worker finish (up to drain_timeout_ms; the rest are answered
-  // UNAVAILABLE) before the gRPC server stops. Idempotent; the destructor calls it.
+  // New requests get UNAVAILABLE, health turns NOT_SERVING and the publisher starts to
+  // unregister from the router (on its thread, up to its unregister_timeout: requests the
+  // router sends meanwhile get UNAVAILABLE too); then the requests in the worker finish
+  // (up to drain_timeout_ms; the rest are answered UNAVAILABLE) before the gRPC server
+  // stops. Idempotent; the destructor calls it. A second signal does not cut it short.
   void Shutdown();
 
  private:
