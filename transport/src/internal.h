@@ -424,6 +424,9 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
                        // work for the progress thread's polling for batch_timeout only
   };
   std::vector<Closing> closing_reqs_;
+  // Endpoints whose close had not ended when the worker shut down: kept until
+  // ucp_worker_destroy (their error handler's argument).
+  std::vector<std::shared_ptr<EndpointImpl>> unclosed_;
   void CloseUcpEp(const std::shared_ptr<EndpointImpl>& ep);
   // Whether a close younger than batch_timeout is waiting: work for the progress
   // thread's polling (older ones are still reaped, at its idle pace).

@@ -393,6 +393,7 @@ void WorkerImpl::Shutdown() {
     retired_.clear();
     ucp_worker_destroy(worker_);
     worker_ = nullptr;
+    unclosed_.clear();
   }
   if (epfd_ >= 0) close(epfd_);
   epfd_ = -1;
@@ -644,7 +645,12 @@ void WorkerImpl::Loop() {
     // user still holds at ucp_worker_destroy aborts the process in UCX 1.13 (ucp_ep.c
     // "Assertion `req->flags & UCP_REQUEST_FLAG_RELEASED' failed", seen in
     // MultiProcessTest.InitiatorKilledOwnerKeepsServing/Shm under load).
-    for (Closing& c : closing_reqs_) ucp_request_free(c.req);
+    // Their EndpointImpls stay until the worker is gone: UCX may still call the error
+    // handler of such an endpoint (its argument) while it tears the worker down.
+    for (Closing& c : closing_reqs_) {
+      ucp_request_free(c.req);
+      unclosed_.push_back(std::move(c.ep));
+    }
     closing_reqs_.clear();
   }
   RunCallbacks();
