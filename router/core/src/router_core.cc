@@ -422,7 +422,9 @@ void RouterCore::ScoreCandidates(const Model& model, std::span<const BlockHash> 
       const uint32_t c = last_checkpoint(g + p);
       replay_s = options_.cost.PrefillSeconds(spec, (g + p - c) * bt) * kda_fraction;
     }
-    const double hit_tokens = std::min<double>((g + p) * bt, static_cast<double>(prompt_tokens));
+    // A worker computes the last prompt token whatever it holds (its logits give the
+    // first output token): a fully cached prompt still costs it one token of prefill.
+    const double hit_tokens = std::min<double>((g + p) * bt, static_cast<double>(prompt_tokens) - 1);
     Candidate c;
     c.slot = slot;
     c.gpu_blocks = g;
@@ -454,6 +456,11 @@ absl::StatusOr<RouteDecision> RouterCore::Route(const RouteInput& in, absl::Time
                                                    " tokens; set it to >= ", min_tokens, " or 0"));
   }
   const uint64_t prompt = in.prompt_tokens != 0 ? in.prompt_tokens : min_tokens;
+  if (prompt > kMaxPromptTokens) {  // hashes only: 2^20 hashes of up to 2^16 tokens each
+    return absl::InvalidArgumentError(absl::StrCat("block_hashes: ", in.hashes.size(), " blocks x ",
+                                                   model->block_tokens, " tokens exceed ", kMaxPromptTokens,
+                                                   " prompt tokens; split the request"));
+  }
   PolicyKind kind = options_.policy;
   if (!in.policy.empty()) {
     ASSIGN_OR_RETURN(kind, ParsePolicy(in.policy));
@@ -490,7 +497,11 @@ absl::StatusOr<RouteDecision> RouterCore::Route(const RouteInput& in, absl::Time
       d.pool_locations.push_back(Location{sources_[r.holder].info.id, r.tier, r.first_block, r.num_blocks});
     }
   }
-  const uint64_t hit_tokens = std::min<uint64_t>(uint64_t{c.gpu_blocks + c.pool_blocks} * model->block_tokens, prompt);
+  // At least the last prompt token is computed (as in ScoreCandidates): a decision always
+  // counts as queued work, or the ttft policy sent every fully cached request to one
+  // worker until its next heartbeat.
+  const uint64_t hit_tokens =
+      std::min<uint64_t>(uint64_t{c.gpu_blocks + c.pool_blocks} * model->block_tokens, prompt - 1);
   d.decision_id = load_.AddDecision(c.slot, prompt - hit_tokens, now);
   ++decisions_by_policy_[static_cast<int>(kind)];
   if (!s.info.publishes_events) PredictBlocks(c.slot, in.hashes, now);

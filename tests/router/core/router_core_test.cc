@@ -384,6 +384,24 @@ TEST_F(RouterCoreTest, ApproximateModeOverCapacityKeepsThePrefix) {
   EXPECT_EQ(second.gpu_hit_blocks, 2u);  // was 0: the last two blocks were kept
 }
 
+// A fully cached prompt still costs its worker the last token's prefill, so each
+// decision counts as queued work there: before, it added 0 tokens and the ttft policy
+// sent every such request to the holder until its next heartbeat.
+TEST_F(RouterCoreTest, AFullyCachedPromptStillCountsAsQueuedWork) {
+  MakeDefault(PolicyKind::kTtft);
+  Worker("w0");
+  auto h = Hash(Tokens(16 * 4, 9));
+  Store("w0", h, 4);
+  const SourceSlot w0 = static_cast<SourceSlot>(core_->SlotOf("w0"));
+  RouteDecision a = Route(h);
+  EXPECT_EQ(a.instance_id, "w0");
+  EXPECT_EQ(core_->load().QueuedTokens(w0), 1u);
+  EXPECT_GT(a.estimated_ttft_s, 0.0);
+  RouteDecision b = Route(h);
+  EXPECT_EQ(core_->load().QueuedTokens(w0), 2u);
+  EXPECT_GT(b.estimated_ttft_s, a.estimated_ttft_s) << "the first decision's work did not count";
+}
+
 TEST_F(RouterCoreTest, DecisionsReleaseOnCompletionOrTimeout) {
   MakeDefault(PolicyKind::kLeastLoad);
   Worker("w0");
