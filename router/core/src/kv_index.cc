@@ -283,6 +283,28 @@ void KvIndex::ClearSource(SourceSlot slot) {
   s.entries = 0;
 }
 
+void KvIndex::ClearSources(std::span<const SourceSlot> slots) {
+  std::vector<SourceSlot> with_entries;
+  for (SourceSlot slot : slots) {
+    if (Source(slot).entries != 0) with_entries.push_back(slot);
+  }
+  if (with_entries.size() <= 1) {
+    for (SourceSlot slot : with_entries) ClearSource(slot);
+    return;
+  }
+  map_.EraseIf([&](const BlockHash&, Entry& e) {
+    const int removed = TrackSpill(e, [&] {
+      int n = 0;
+      for (SourceSlot slot : with_entries) n += RemoveAllHolders(e, slot);
+      return n;
+    });
+    if (removed == 0) return false;
+    entries_ -= removed;
+    return e.empty();
+  });
+  for (SourceSlot slot : with_entries) Source(slot).entries = 0;
+}
+
 void KvIndex::Store(SourceSlot slot, const BlockHash& parent, std::span<const BlockHash> hashes,
                     Tier tier, StateKind kind) {
   SourceState& s = Source(slot);

@@ -286,17 +286,23 @@ HeartbeatResult RouterCore::Heartbeat(absl::string_view source_id, const Instanc
 
 std::vector<std::string> RouterCore::Tick(absl::Time now) {
   load_.ExpireDecisions(now);
-  std::vector<std::string> dropped;
+  std::vector<SourceSlot> expired;
   for (SourceSlot slot = 0; slot < sources_.size(); ++slot) {
     Source& s = sources_[slot];
     if (!s.live) continue;
     if (now - load_.last_heartbeat(slot) > options_.heartbeat_timeout) {
-      dropped.push_back(s.info.id);
-      DropSource(slot);
-      ++dropped_sources_;
+      expired.push_back(slot);
       continue;
     }
     if (!s.approx_order.empty()) ExpirePredictions(s, slot, now);
+  }
+  // Their index entries go in one pass over the table (DropSource then finds none).
+  index_.ClearSources(expired);
+  std::vector<std::string> dropped;
+  for (SourceSlot slot : expired) {
+    dropped.push_back(sources_[slot].info.id);
+    DropSource(slot);
+    ++dropped_sources_;
   }
   return dropped;
 }

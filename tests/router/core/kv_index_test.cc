@@ -155,12 +155,24 @@ TEST_P(KvIndexDifferentialTest, RandomEventsMatchReference) {
       }
       ++dumps;
     } else if (chance(0.02)) {
-      // Removal and re-registration.
-      index.RemoveSource(slot);
-      index.ResetSource(slot);
-      ref.sources[slot] = RefSource{};
-      truth[slot] = RefSource{};
-      next_seq[slot] = 1;
+      // Removal and re-registration; sometimes of several sources at once, as a Tick
+      // drops those that timed out together (one pass: ClearSources).
+      std::vector<SourceSlot> gone = {slot};
+      if (chance(0.5)) {
+        for (SourceSlot other : all) {
+          if (other != slot && chance(0.4)) gone.push_back(other);
+        }
+        index.ClearSources(gone);
+      }
+      for (SourceSlot g : gone) {
+        index.RemoveSource(g);
+        index.ResetSource(g);
+        ref.sources[g] = RefSource{};
+        truth[g] = RefSource{};
+        next_seq[g] = 1;
+      }
+      ASSERT_EQ(index.entries(), ref.Entries()) << "step " << step;
+      ASSERT_EQ(index.MemoryBytes(), index.MemoryBytesByWalk()) << "step " << step;
       continue;
     } else {
       const int n = 1 + static_cast<int>(pick(4));

@@ -402,6 +402,28 @@ TEST_F(RouterCoreTest, AFullyCachedPromptStillCountsAsQueuedWork) {
   EXPECT_GT(b.estimated_ttft_s, a.estimated_ttft_s) << "the first decision's work did not count";
 }
 
+// Sources that time out together leave together (their entries in one pass over the
+// index); the one that kept heartbeating keeps its entries and its hits.
+TEST_F(RouterCoreTest, SourcesThatTimeOutTogetherAreDroppedInOneTick) {
+  MakeDefault(PolicyKind::kCacheAware);
+  for (const char* w : {"w0", "w1", "w2"}) Worker(w);
+  PoolNode("p0");
+  auto h = Hash(Tokens(16 * 6, 12));
+  Store("w0", h, 6);
+  Store("w1", h, 4);
+  Store("w2", h, 2);
+  Store("p0", h, 6, Tier::kDram);
+  core_->Heartbeat("w2", {}, {}, kT0 + absl::Seconds(8));
+  auto dropped = core_->Tick(kT0 + absl::Seconds(11));
+  std::sort(dropped.begin(), dropped.end());
+  EXPECT_EQ(dropped, (std::vector<std::string>{"p0", "w0", "w1"}));
+  EXPECT_EQ(core_->index().entries(), 2u);
+  const RouteDecision d = Route(h, kT0 + absl::Seconds(11));
+  EXPECT_EQ(d.instance_id, "w2");
+  EXPECT_EQ(d.gpu_hit_blocks, 2u);
+  EXPECT_EQ(d.pool_hit_blocks, 0u);
+}
+
 TEST_F(RouterCoreTest, DecisionsReleaseOnCompletionOrTimeout) {
   MakeDefault(PolicyKind::kLeastLoad);
   Worker("w0");
