@@ -567,6 +567,11 @@ bool KvIndex::PoolHasState(const BlockHash& h) const {
   return it != map_.end() && it->second.pool_slot != kNoSlot;
 }
 
+bool KvIndex::AnyHasState(const BlockHash& h) const {
+  auto it = map_.find(StateKey(h));
+  return it != map_.end() && !it->second.empty();
+}
+
 EventBatch KvIndex::Dump(SourceSlot slot) const {
   EventBatch b;
   b.full_dump = true;

@@ -384,6 +384,16 @@ void RouterCore::ScoreCandidates(const Model& model, std::span<const BlockHash> 
   const double bytes_per_token = static_cast<double>(spec.KvBytesPerToken());
   const double fixed_state = static_cast<double>(spec.FixedStateBytes());
 
+  if (hybrid) {
+    const uint32_t boundaries = walked / ckpt;
+    state_below_.assign(boundaries + 1, 0);
+    pool_state_.assign(boundaries + 1, 0);
+    for (uint32_t k = 1; k <= boundaries; ++k) {
+      const BlockHash& h = hashes[k * ckpt - 1];
+      state_below_[k] = index_.AnyHasState(h) ? k : state_below_[k - 1];
+      pool_state_[k] = state_below_[k] == k && index_.PoolHasState(h);
+    }
+  }
   const auto& workers = workers_by_model_[static_cast<size_t>(&model - models_.data())];
   cands_.clear();
   size_t gi = 0;  // match_.gpu and workers are both ascending by slot
@@ -395,11 +405,11 @@ void RouterCore::ScoreCandidates(const Model& model, std::span<const BlockHash> 
     // Last block boundary <= b (a multiple of ckpt) with a KDA checkpoint on this worker
     // or, with pool_too, on a pool node.
     auto last_checkpoint = [&](uint32_t b, bool pool_too = true) {
-      b = b / ckpt * ckpt;
-      while (b > 0 && !index_.HasState(hashes[b - 1], slot) && !(pool_too && index_.PoolHasState(hashes[b - 1]))) {
-        b -= ckpt;
+      uint32_t k = state_below_[b / ckpt];
+      while (k > 0 && !(pool_too && pool_state_[k]) && !index_.HasState(hashes[k * ckpt - 1], slot)) {
+        k = state_below_[k - 1];
       }
-      return b;
+      return k * ckpt;
     };
     const bool strict = hybrid && options_.hybrid_mode == HybridMode::kStrict;
     if (strict) {

@@ -147,6 +147,8 @@ class KvIndex {
   // Whether the KDA checkpoint at boundary block `h` is on `slot`'s GPU / in DRAM/NVMe.
   bool HasState(const BlockHash& h, SourceSlot slot) const;
   bool PoolHasState(const BlockHash& h) const;
+  // Whether any source (GPU or pool) holds the KDA state at block hash h.
+  bool AnyHasState(const BlockHash& h) const;
 
   // Everything `slot` holds as a full-dump batch (stored events of one block each,
   // unordered; dump_sequence = last_sequence). O(entries).

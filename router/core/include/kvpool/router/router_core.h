@@ -280,6 +280,13 @@ class RouterCore {
   std::vector<Candidate> cands_;
   std::vector<uint32_t> pool_run_end_;  // [walked + 1]: first block >= i not in the pool
   std::vector<uint32_t> nvme_only_;     // [walked + 1]: blocks < i held only on NVMe
+  // Hybrids, per checkpoint boundary k (block k * interval) up to the walked blocks:
+  // the last boundary <= k where any source holds the KDA state (0: none), and whether
+  // a pool node holds it there. Built once per Route, so each worker's search for its
+  // last usable checkpoint skips the boundaries nobody holds (it probed every one, per
+  // worker: 64 workers x 512 boundaries of a long pool-resident prefix per Route).
+  std::vector<uint32_t> state_below_;
+  std::vector<char> pool_state_;
 };
 
 }  // namespace kvpool::router
