@@ -197,12 +197,16 @@ absl::StatusOr<EventsResult> RouterHost::Apply(Work& w, uint64_t* applied) {
   const size_t slice = options_.apply_slice_events;
   // A slice also ends once its events carry apply_slice_hashes hashes (one event may
   // carry up to 4096): 256 events of 4096 hashes were ~1M index operations in one hold.
+  // A `cleared` event carries none but scans the whole index: it weighs a full slice.
   const size_t slice_hashes = std::max<size_t>(1, options_.apply_slice_hashes);
+  auto weight = [&](size_t i) {
+    return b.events[i].type == KvEvent::Type::kCleared ? slice_hashes : b.events[i].hashes.size();
+  };
   auto slice_end = [&](size_t from) {  // at least one event, when there is one
     if (from >= n) return n;
-    size_t end = from + 1, hashes = b.events[from].hashes.size();
-    while (end < n && end - from < slice && hashes + b.events[end].hashes.size() <= slice_hashes) {
-      hashes += b.events[end].hashes.size();
+    size_t end = from + 1, hashes = weight(from);
+    while (end < n && end - from < slice && hashes + weight(end) <= slice_hashes) {
+      hashes += weight(end);
       ++end;
     }
     return end;
