@@ -119,6 +119,21 @@ class RouterHostTest : public ::testing::Test {
     ASSERT_TRUE(host_->Register(s).ok());
   }
 
+  // Registers w0 and applies `events` as one batch of its stream, calling at_pause() at
+  // every pause of the applier (each of its clock reads: one per slice, one after).
+  std::shared_ptr<Answer> ApplyPausing(std::vector<KvEvent> events, const std::function<void()>& at_pause) {
+    Register("w0");
+    const uint64_t stream = StreamRegistration("w0");
+    clock_.Arm();
+    auto batch = Queue("w0", stream, Batch(std::move(events)), [this] { clock_.Disarm(); });
+    while (clock_.NextPause()) {
+      at_pause();
+      clock_.Resume();
+    }
+    batch->done.WaitForNotification();
+    return batch;
+  }
+
   // What a PublishEvents stream does with its first batch: it takes the source's current
   // registration, and passes it with every batch it queues.
   uint64_t StreamRegistration(const std::string& id) { return host_->RegistrationOf(id); }
@@ -274,23 +289,17 @@ TEST_F(RouterHostTest, FullDumpAppliesInSlicesAndRouteRunsBetweenThem) {
 // 1M hashes).
 TEST_F(RouterHostTest, SlicesAreBoundedByHashesAsWellAsEvents) {
   Make(256, 32);
-  Register("w0");
-  const uint64_t stream = StreamRegistration("w0");
   const std::vector<BlockHash> chain = Chain(3000, 128);
   std::vector<KvEvent> events;
   for (size_t e = 0; e < 8; ++e) {
     const BlockHash parent = e == 0 ? BlockHash{} : chain[e * 16 - 1];
     events.push_back(KvEvent::Stored(e + 1, parent, std::vector<BlockHash>(chain.begin() + e * 16, chain.begin() + (e + 1) * 16)));
   }
-  clock_.Arm();
-  auto batch = Queue("w0", stream, Batch(std::move(events)), [this] { clock_.Disarm(); });
   std::vector<uint32_t> seen;
-  while (clock_.NextPause()) {
+  auto batch = ApplyPausing(std::move(events), [&] {
     const uint32_t hit = GpuHit(chain);
     if (hit > 0 && hit < chain.size()) seen.push_back(hit);
-    clock_.Resume();
-  }
-  batch->done.WaitForNotification();
+  });
   ASSERT_TRUE(batch->result.ok()) << batch->result.status();
   EXPECT_EQ(seen, (std::vector<uint32_t>{32, 64, 96}));
   EXPECT_EQ(batch->result->apply.applied, 8u);
@@ -303,21 +312,13 @@ TEST_F(RouterHostTest, SlicesAreBoundedByHashesAsWellAsEvents) {
 // slices under a 32-hash bound; now in 5.
 TEST_F(RouterHostTest, AClearedEventTakesASliceOfItsOwn) {
   Make(256, 32);
-  Register("w0");
-  const uint64_t stream = StreamRegistration("w0");
   const std::vector<BlockHash> chain = Chain(4000, 16);
   std::vector<KvEvent> events;
   for (uint64_t e = 0; e < 5; ++e) {
     events.push_back(e % 2 == 0 ? KvEvent::Stored(e + 1, BlockHash{}, chain) : KvEvent::Cleared(e + 1));
   }
-  clock_.Arm();
-  auto batch = Queue("w0", stream, Batch(std::move(events)), [this] { clock_.Disarm(); });
   int pauses = 0;  // one per slice, and one read after the batch (its lag metric)
-  while (clock_.NextPause()) {
-    ++pauses;
-    clock_.Resume();
-  }
-  batch->done.WaitForNotification();
+  auto batch = ApplyPausing(std::move(events), [&] { ++pauses; });
   ASSERT_TRUE(batch->result.ok()) << batch->result.status();
   EXPECT_EQ(batch->result->apply.applied, 5u);
   EXPECT_GE(pauses, 5) << "stored and cleared events shared core lock holds";
