@@ -403,17 +403,20 @@ void RouterCore::ScoreCandidates(const Model& model, std::span<const BlockHash> 
     uint32_t g = g_raw;
     uint32_t p = pool_run_end_[g] - g;
     // Last block boundary <= b (a multiple of ckpt) with a KDA checkpoint on this worker
-    // or, with pool_too, on a pool node.
-    auto last_checkpoint = [&](uint32_t b, bool pool_too = true) {
+    // or on a pool node past block `fetched_from`: a worker fetches checkpoints only
+    // among the blocks it fetches (engine FetchFromPool), so a pool's checkpoint at or
+    // before its own hit is no use to it (counting one made a strict hit look 8 blocks
+    // long where the worker reuses 4).
+    auto last_checkpoint = [&](uint32_t b, uint32_t fetched_from) {
       uint32_t k = state_below_[b / ckpt];
-      while (k > 0 && !(pool_too && pool_state_[k]) && !index_.HasState(hashes[k * ckpt - 1], slot)) {
+      while (k > 0 && !(pool_state_[k] && k * ckpt > fetched_from) && !index_.HasState(hashes[k * ckpt - 1], slot)) {
         k = state_below_[k - 1];
       }
       return k * ckpt;
     };
     const bool strict = hybrid && options_.hybrid_mode == HybridMode::kStrict;
     if (strict) {
-      const uint32_t b = last_checkpoint(g + p);
+      const uint32_t b = last_checkpoint(g + p, g);
       g = std::min(g, b);
       p = b - g;
     }
@@ -430,12 +433,12 @@ void RouterCore::ScoreCandidates(const Model& model, std::span<const BlockHash> 
         transfer_s = 0;
         // Strict: the hit must still end at a checkpoint, now one this worker holds
         // (the GPU run alone may stop between two).
-        if (strict) g = last_checkpoint(g, /*pool_too=*/false);
+        if (strict) g = last_checkpoint(g, /*fetched_from=*/g);
       }
     }
     double replay_s = 0;
     if (hybrid && options_.hybrid_mode == HybridMode::kReplay && g + p > 0) {
-      const uint32_t c = last_checkpoint(g + p);
+      const uint32_t c = last_checkpoint(g + p, /*fetched_from=*/p > 0 ? g : g + p);
       replay_s = options_.cost.PrefillSeconds(spec, (g + p - c) * bt) * kda_fraction;
     }
     // A worker computes the last prompt token whatever it holds (its logits give the

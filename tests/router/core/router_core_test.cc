@@ -191,6 +191,27 @@ TEST_F(RouterCoreTest, HybridStrictStopsAtCheckpointReplayPaysTheGap) {
   }
 }
 
+// A pool node's checkpoint at or before the worker's own KV hit is not one the worker
+// fetches (it fetches checkpoints among the blocks it fetches), so it does not lengthen
+// the hit: w0 holds KV blocks 0..9 and its own checkpoint at 4, the pool one at 8; the
+// strict hit is 4 blocks (it read 8 before, with no transfer).
+TEST_F(RouterCoreTest, HybridStrictHitIgnoresAPoolCheckpointInsideTheGpuRun) {
+  RouterOptions o;
+  o.models = {"tiny-hybrid"};  // 64-token blocks, a checkpoint every 4 blocks
+  o.policy = PolicyKind::kTtft;
+  o.hybrid_mode = HybridMode::kStrict;
+  Make(o);
+  Worker("w0", "tiny-hybrid");
+  PoolNode("p0");
+  auto h = Hash(Tokens(64 * 12, 7), "tiny-hybrid");
+  Store("w0", h, 10);
+  Store("w0", h, 1, Tier::kGpu, StateKind::kLinearState, 3);  // its checkpoint at block 4
+  Store("p0", h, 1, Tier::kDram, StateKind::kLinearState, 7);  // the pool's at block 8
+  RouteDecision d = Route(h, kT0, "", "tiny-hybrid");
+  EXPECT_EQ(d.gpu_hit_blocks, 4u);
+  EXPECT_EQ(d.pool_hit_blocks, 0u);
+}
+
 // Strict mode when the pool's blocks are not worth fetching: the checkpoint that made
 // the KV hit usable was the pool's, so without the fetch the GPU run alone (2 blocks, no
 // checkpoint at or below it) is no hit at all.
