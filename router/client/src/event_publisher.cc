@@ -255,12 +255,15 @@ bool EventPublisher::SendDump() {
 EventPublisher::HeartbeatOutcome EventPublisher::SendHeartbeat() {
   v1::HeartbeatRequest req;
   req.set_source_id(opts_.registration.source_id());
-  if (opts_.load) *req.mutable_load() = opts_.load();
+  // Completed decisions first, then the load: a source that completes a decision once
+  // its load counts the request (the worker) never has one released by a heartbeat whose
+  // load is older than the request.
   std::vector<uint64_t> completed;
   {
     absl::MutexLock l(&mu_);
     completed.swap(completed_);
   }
+  if (opts_.load) *req.mutable_load() = opts_.load();
   for (uint64_t d : completed) req.add_completed_decisions(d);
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + opts_.rpc_timeout));

@@ -103,6 +103,17 @@ Tokens Concat(const Tokens& a, const Tokens& b) {
   return out;
 }
 
+// A forward_fault that counts forward passes and holds each one while `hold` is set,
+// then returns `result` (a step the test keeps running, or fails, when it wants).
+std::function<absl::Status()> HeldForward(std::atomic<bool>& hold, std::atomic<int>& forwards,
+                                          absl::Status result = absl::OkStatus()) {
+  return [&hold, &forwards, result]() -> absl::Status {
+    ++forwards;
+    while (hold) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return result;
+  };
+}
+
 struct Hits {
   uint64_t gpu = 0;   // prompt tokens reused from the worker's own cache
   uint64_t pool = 0;  // prompt tokens fetched from pool nodes
@@ -477,11 +488,7 @@ TEST(WorkerService, RequestsWaitingBehindAFailedStepAreToldToGoElsewhere) {
   std::atomic<int> forwards{0};
   WorkerConfig wc;
   wc.instance_id = "worker-q";
-  wc.forward_fault = [&]() -> absl::Status {
-    ++forwards;
-    while (hold) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    return absl::InternalError("injected kernel failure");
-  };
+  wc.forward_fault = HeldForward(hold, forwards, absl::InternalError("injected kernel failure"));
   Client w(cl.StartWorker(wc));
   std::mt19937 rng(21);
   const Tokens p1 = RandomTokens(rng, 20, 512), p2 = RandomTokens(rng, 20, 512);
@@ -513,11 +520,7 @@ TEST(WorkerService, ShutdownDrainsRequestsInFlight) {
   std::atomic<bool> hold{true};
   std::atomic<int> forwards{0};
   WorkerConfig wc;
-  wc.forward_fault = [&]() -> absl::Status {
-    ++forwards;
-    while (hold) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    return absl::OkStatus();
-  };
+  wc.forward_fault = HeldForward(hold, forwards);
   wc.drain_timeout_ms = 60'000;
   const int port = cl.StartWorker(wc);
   Client w(port);
@@ -558,11 +561,7 @@ TEST(WorkerService, RequestsBeyondTheQueueBoundAreRefused) {
   WorkerConfig wc;
   wc.max_queued_requests = 1;
   wc.max_queued_tokens = 64;
-  wc.forward_fault = [&]() -> absl::Status {
-    ++forwards;
-    while (hold) std::this_thread::sleep_for(std::chrono::milliseconds(1));  // the first request runs long
-    return absl::OkStatus();
-  };
+  wc.forward_fault = HeldForward(hold, forwards);  // the first request runs long
   Client w(cl.StartWorker(wc));
   std::mt19937 rng(5);
   absl::StatusOr<Answer> first;
@@ -908,6 +907,54 @@ uint64_t WaitInflight(router::RouterClient& rc, const std::string& instance, uin
   return n;
 }
 
+// Routes `prompt` (tiny-gqa) until the router answers with `instance` (once the worker
+// has registered; bounded), and returns that answer (an empty one if it never came).
+v1::RouteResponse RouteOnceRegistered(router::RouterClient& rc, const Tokens& prompt, const std::string& instance) {
+  for (int i = 0; i < 100; ++i) {
+    v1::RouteRequest req;
+    req.mutable_model()->set_name("tiny-gqa");
+    for (uint32_t t : prompt) req.add_tokens(t);
+    auto r = rc.Route(req);
+    if (r.ok() && r->instance_id() == instance) return *r;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return {};
+}
+
+// Starts worker `c` (tiny-gqa) in `cl`, whose router must be up, and routes a random
+// prompt of `prompt_tokens` (seed `seed`) to it once it registered: the router then
+// counts that one decision in flight.
+struct Routed {
+  std::unique_ptr<router::RouterClient> rc;
+  Tokens prompt;
+  v1::RouteResponse route;
+  std::unique_ptr<v1::Worker::Stub> worker;
+};
+Routed StartAndRouteTo(Cluster& cl, const WorkerConfig& c, uint32_t seed, size_t prompt_tokens) {
+  Routed out;
+  out.worker = WorkerStub(cl.StartWorker(c));
+  std::mt19937 rng(seed);
+  out.prompt = RandomTokens(rng, prompt_tokens, 512);
+  auto rc = router::RouterClient::Connect(cl.router_address());
+  EXPECT_TRUE(rc.ok()) << rc.status();
+  if (!rc.ok()) return out;
+  out.rc = *std::move(rc);
+  out.route = RouteOnceRegistered(*out.rc, out.prompt, c.instance_id);
+  EXPECT_EQ(out.route.instance_id(), c.instance_id);
+  EXPECT_NE(out.route.decision_id(), 0u);
+  EXPECT_EQ(WaitInflight(*out.rc, c.instance_id, 1), 1u);
+  return out;
+}
+
+// The Generate of a routed `prompt` (its decision id set).
+v1::GenerateRequest RoutedGenerate(const Tokens& prompt, uint32_t max_new_tokens, uint64_t decision_id) {
+  v1::GenerateRequest req;
+  for (uint32_t t : prompt) req.add_tokens(t);
+  req.set_max_new_tokens(max_new_tokens);
+  req.set_router_decision_id(decision_id);
+  return req;
+}
+
 // A routed request that fails on the worker (it cannot fit even alone) releases the
 // router's decision, so the router stops counting phantom load on the worker.
 TEST(WorkerService, FailedRoutedRequestReleasesItsDecision) {
@@ -916,36 +963,41 @@ TEST(WorkerService, FailedRoutedRequestReleasesItsDecision) {
   WorkerConfig c;
   c.instance_id = "worker-d";
   c.num_blocks = 4;  // 3 pages of 16 tokens
-  Client w(cl.StartWorker(c));
-  auto rc = router::RouterClient::Connect(cl.router_address());
-  ASSERT_TRUE(rc.ok()) << rc.status();
-  std::mt19937 rng(19);
-  const Tokens prompt = RandomTokens(rng, 100, 512);
-  v1::RouteResponse route;
-  for (int i = 0; i < 100; ++i) {  // until the worker has registered
-    v1::RouteRequest req;
-    req.mutable_model()->set_name("tiny-gqa");
-    for (uint32_t t : prompt) req.add_tokens(t);
-    auto r = (*rc)->Route(req);
-    if (r.ok() && r->instance_id() == "worker-d") {
-      route = *r;
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  ASSERT_EQ(route.instance_id(), "worker-d");
-  ASSERT_NE(route.decision_id(), 0u);
-  ASSERT_EQ(WaitInflight(**rc, "worker-d", 1), 1u);
-
-  auto stub = WorkerStub(cl.worker_port(0));
-  v1::GenerateRequest req;
-  for (uint32_t t : prompt) req.add_tokens(t);
-  req.set_max_new_tokens(2);
-  req.set_router_decision_id(route.decision_id());
+  Routed r = StartAndRouteTo(cl, c, 19, 100);
+  ASSERT_NE(r.rc, nullptr);
   grpc::ClientContext ctx;
   v1::GenerateResponse resp;
-  EXPECT_FALSE(stub->Generate(&ctx, req, &resp).ok());  // does not fit in 3 pages
-  EXPECT_EQ(WaitInflight(**rc, "worker-d", 0), 0u);
+  EXPECT_FALSE(r.worker->Generate(&ctx, RoutedGenerate(r.prompt, 2, r.route.decision_id()), &resp).ok());  // 3 pages
+  EXPECT_EQ(WaitInflight(*r.rc, "worker-d", 0), 0u);
+}
+
+// A routed request is counted once by the router: its decision is released by the
+// heartbeat whose load counts the request, while the request is still in prefill (here
+// held in its forward pass). Before, the decision was released only once prefill was
+// done, and meanwhile the router counted the request in the load and in flight.
+TEST(WorkerService, ARoutedRequestIsCountedOnceWhileItsPrefillRuns) {
+  Cluster cl("decision-once");
+  cl.StartRouter("tiny-gqa");
+  std::atomic<bool> hold{true};
+  std::atomic<int> forwards{0};
+  WorkerConfig c;
+  c.instance_id = "worker-once";
+  c.forward_fault = HeldForward(hold, forwards);
+  Routed r = StartAndRouteTo(cl, c, 23, 40);
+  ASSERT_NE(r.rc, nullptr);
+  grpc::Status status;
+  std::thread t([&] {
+    grpc::ClientContext ctx;
+    v1::GenerateResponse resp;
+    status = r.worker->Generate(&ctx, RoutedGenerate(r.prompt, 1, r.route.decision_id()), &resp);
+  });
+  while (forwards == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  // Prefill is held: the heartbeats report the request as running and release the decision.
+  const uint64_t inflight = WaitInflight(*r.rc, "worker-once", 0);
+  hold = false;
+  t.join();
+  EXPECT_EQ(inflight, 0u) << "the decision stayed in flight while the load already counted its request";
+  EXPECT_TRUE(status.ok()) << status.error_message();
 }
 
 // Prefill has no max_new_tokens field: its length error must not name one.

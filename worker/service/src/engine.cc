@@ -228,6 +228,7 @@ void Engine::Loop() {
     TakeIncoming(std::move(incoming));
     DropCancelled();
     AdmitBacklog();
+    UpdateLoad();  // before a step that may run long: the heartbeat sees what came in
     if (runner_ != nullptr && runner_->NumUnfinished() > 0) StepOnce();
     if (cfg_.offload == OffloadMode::kWriteThrough) OffloadWriteThrough();
     if (cfg_.offload == OffloadMode::kWriteBack) ResolvePages();
@@ -505,7 +506,7 @@ void Engine::StepOnce() {
     p->step_start = t0;
     p->first_token = t1;
     p->recompute_s = Seconds(t1 - t0);
-    ReleaseDecision(*p);  // prefill done: from now on the reported load counts it
+    ReleaseDecision(*p);  // released already once the load counted it (UpdateLoad)
   }
   // Prefill throughput for the fetch-or-recompute choice: the step's tokens over its
   // time (one request's tokens over a step shared with others read N times too slow).
@@ -784,16 +785,35 @@ void Engine::UpdateLoad() {
   const double usage = u.total_blocks > 0 ? static_cast<double>(u.used_blocks) / u.total_blocks : 0;
   m_usage_->Set(usage);
   for (const auto& p : backlog_) queued_tokens += p->req.tokens.size();
-  absl::MutexLock l(&mu_);
-  for (const auto& p : queue_) queued_tokens += p->req.tokens.size();
-  load_.set_running_requests(static_cast<uint32_t>(running_.size()) - static_cast<uint32_t>(waiting_runner));
-  load_.set_waiting_requests(
-      static_cast<uint32_t>(waiting_runner + static_cast<int>(backlog_.size()) + static_cast<int>(queue_.size())));
-  load_.set_queued_prefill_tokens(queued_tokens);
-  load_.set_kv_usage(usage);
-  stats_.set_kv_usage(usage);
-  m_running_->Set(load_.running_requests());
-  m_waiting_->Set(load_.waiting_requests());
+  // Every request in the engine counts in the load set here, which the next heartbeat
+  // reports: its routing decision is released by that same heartbeat (the publisher
+  // takes the completed decisions before it reads the load). Released only at prefill's
+  // end, the router counted such a request twice meanwhile: in the reported load and in
+  // flight.
+  std::vector<uint64_t> release;
+  auto take = [&release](Pending& p) {
+    if (p.decision_released) return;
+    p.decision_released = true;
+    if (p.req.decision_id != 0) release.push_back(p.req.decision_id);
+  };
+  {
+    absl::MutexLock l(&mu_);
+    for (const auto& p : queue_) queued_tokens += p->req.tokens.size();
+    load_.set_running_requests(static_cast<uint32_t>(running_.size()) - static_cast<uint32_t>(waiting_runner));
+    load_.set_waiting_requests(
+        static_cast<uint32_t>(waiting_runner + static_cast<int>(backlog_.size()) + static_cast<int>(queue_.size())));
+    load_.set_queued_prefill_tokens(queued_tokens);
+    load_.set_kv_usage(usage);
+    stats_.set_kv_usage(usage);
+    m_running_->Set(load_.running_requests());
+    m_waiting_->Set(load_.waiting_requests());
+    for (auto& p : queue_) take(*p);
+  }
+  for (auto& p : backlog_) take(*p);
+  for (auto& [id, p] : running_) take(*p);
+  if (router::EventPublisher* pub = publisher_.load()) {
+    for (uint64_t d : release) pub->CompleteDecision(d);
+  }
 }
 
 v1::WorkerStats Engine::Stats() const {

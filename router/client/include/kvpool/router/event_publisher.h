@@ -102,8 +102,10 @@ class EventPublisher {
   // event of more than 4096 hashes (the router's limit per event) is queued as
   // consecutive events of at most 4096, stored parts chained by parent hash.
   void Publish(v1::KvEvent event);
-  // A routed request (RouteResponse.decision_id) finished prefill: reported in the next
-  // heartbeat so the router releases its optimistic load. 0 is ignored.
+  // A routed request (RouteResponse.decision_id) is counted in the source's load now (or
+  // ended): reported in the next heartbeat, whose load (read after the completed
+  // decisions are taken) counts it, so the router releases its optimistic load. 0 is
+  // ignored.
   void CompleteDecision(uint64_t decision_id);
 
   uint64_t events_sent() const;
