@@ -159,7 +159,7 @@ class Engine : public cache::KvEventSink {
     int64_t local_tokens = 0;  // prompt prefix in the local cache at admission (before fetching)
     int64_t pool_tokens = 0;   // prompt tokens fetched from pool nodes (after local_tokens)
     bool started = false;
-    bool decision_released = false;  // CompleteDecision sent (prefill done, or failed)
+    bool decision_released = false;  // CompleteDecision sent (counted in the load, or ended)
     int64_t counted_tokens = 0;      // in in_engine_tokens_ until answered
     bool Cancelled() const { return req.cancelled != nullptr && req.cancelled->load(std::memory_order_relaxed); }
   };
@@ -195,8 +195,8 @@ class Engine : public cache::KvEventSink {
   // Backlogged, running or runner-queued requests whose caller gave up: aborted,
   // answered CANCELLED.
   void DropCancelled();
-  // Tells the router its decision for `p` is over: its prefill is done (the router
-  // counts the request in the instance's reported load from then on) or it failed.
+  // Tells the router its decision for `p` is over: the request ended (answered, failed,
+  // cancelled). UpdateLoad releases it earlier, once the load it sets counts the request.
   // Once per request; decision_id 0 (not routed) is ignored.
   void ReleaseDecision(Pending& p);
   // Every answer goes through here: releases the decision, counts failures, calls done.
