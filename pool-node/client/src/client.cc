@@ -316,7 +316,9 @@ absl::StatusOr<PoolLease> PoolClient::Lookup(std::span<const BlockHash> chain, S
   return lease;
 }
 
-absl::Status PoolClient::Get(const PoolLease& lease, std::span<const std::vector<uint64_t>> dst) {
+absl::Status PoolClient::Get(const PoolLease& lease, std::span<const std::vector<uint64_t>> dst,
+                             std::vector<size_t>* mismatched) {
+  if (mismatched != nullptr) mismatched->clear();
   if (dst.size() != lease.objects.size()) {
     return absl::InvalidArgumentError(absl::StrCat("dst names ", dst.size(), " page lists for ",
                                                    lease.objects.size(), " objects; give one per object"));
@@ -361,13 +363,16 @@ absl::Status PoolClient::Get(const PoolLease& lease, std::span<const std::vector
                      bytes >= s_->opt.get_two_threads_min_bytes;
     RETURN_IF_ERROR(two ? TransferTwoWays(*s_->ep, /*put=*/false, std::move(ops), digests)
                         : Transfer(*s_->ep, /*put=*/false, std::move(ops), digests));
+    std::optional<size_t> first_bad;
     for (size_t i = begin; i < end; ++i) {
-      const RemoteObject& o = lease.objects[i];
-      if (digests.Value(i - begin) != o.checksum) {
-        return absl::DataLossError(absl::StrCat("object ", i, " (", o.key.hash.ToHex(),
-                                                ") arrived with other bytes than its checksum; its lease ",
-                                                lease.lease_id, " may have run out: Lookup again"));
-      }
+      if (digests.Value(i - begin) == lease.objects[i].checksum) continue;
+      if (!first_bad) first_bad = i;
+      if (mismatched != nullptr) mismatched->push_back(i);
+    }
+    if (first_bad) {
+      return absl::DataLossError(absl::StrCat("object ", *first_bad, " (", lease.objects[*first_bad].key.hash.ToHex(),
+                                              ") arrived with other bytes than its checksum; its lease ",
+                                              lease.lease_id, " may have run out: Lookup again"));
     }
     begin = end;
   }

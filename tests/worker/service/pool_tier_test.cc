@@ -6,6 +6,7 @@
 #include <cstring>
 #include <chrono>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -98,45 +99,100 @@ TEST(PoolTierTest, LookupsLongerThanOneCallFindEveryBlock) {
   EXPECT_EQ(leases, 0u);
 }
 
-// An object of another length than the worker's block is a miss: filling part of a page
-// with it would cache the rest of the page (stale bytes) as KV of that hash. Before, the
-// half-page object below was found, and a Get of it landed 2 KiB in a 4 KiB block.
-TEST(PoolTierTest, ObjectsOfAnotherLengthAreMisses) {
+// A node of 64 pages and a tier over a local arena of 8 pages (filled with 0x3C).
+struct SmallPool {
+  std::unique_ptr<pool_node::NodeServer> node;
+  std::unique_ptr<std::byte, FreeDeleter> arena;
+  std::unique_ptr<PoolTier> tier;
+};
+
+void StartSmallPool(const std::string& name, SmallPool& p, PoolTierOptions o = {}) {
   pool_node::NodeConfig c;
   c.listen = "127.0.0.1:0";
   c.metrics_port = -1;
-  c.pool.node_id = "pool-tier-length";
+  c.pool.node_id = name;
   c.pool.page_bytes = kPage;
   c.pool.dram_bytes = 64 * kPage;
   auto node = pool_node::NodeServer::Start(c);
   ASSERT_TRUE(node.ok()) << node.status();
+  p.node = *std::move(node);
   void* mem = nullptr;
   ASSERT_EQ(posix_memalign(&mem, kPage, 8 * kPage), 0);
-  std::unique_ptr<std::byte, FreeDeleter> arena(static_cast<std::byte*>(mem));
-  std::memset(arena.get(), 0x3C, 8 * kPage);
-  PoolTierOptions o;
-  o.node_addresses = {absl::StrCat("127.0.0.1:", (*node)->port())};
-  o.client_id = "pool-tier-length";
-  auto tier = PoolTier::Create(o, {arena.get(), 8 * kPage}, kPage);
+  p.arena.reset(static_cast<std::byte*>(mem));
+  std::memset(p.arena.get(), 0x3C, 8 * kPage);
+  o.node_addresses = {absl::StrCat("127.0.0.1:", p.node->port())};
+  o.client_id = name;
+  auto tier = PoolTier::Create(o, {p.arena.get(), 8 * kPage}, kPage);
   ASSERT_TRUE(tier.ok()) << tier.status();
+  p.tier = *std::move(tier);
+}
+
+// Puts a chain of n blocks from local pages 0..n-1, block i of lengths[i] bytes.
+std::vector<BlockHash> PutChain(PoolTier& tier, uint64_t first, const std::vector<uint64_t>& lengths) {
   std::vector<BlockHash> hashes;
   std::vector<PoolPut> puts;
-  for (size_t i = 0; i < 3; ++i) {  // block 1 is half a page
-    hashes.push_back(Hash(100 + i));
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    hashes.push_back(Hash(first + i));
     PoolPut p;
     p.hash = hashes.back();
     if (i > 0) p.parent = hashes[i - 1];
     p.local_pages = {i};
-    p.length = i == 1 ? kPage / 2 : kPage;
+    p.length = lengths[i];
     puts.push_back(std::move(p));
   }
-  EXPECT_EQ((*tier)->Put(puts), 5 * kPage / 2);
-  PoolLookup found = (*tier)->Lookup(hashes, StateKind::kAttnKv, kPage);
+  uint64_t total = 0;
+  for (uint64_t l : lengths) total += l;
+  EXPECT_EQ(tier.Put(puts), total);
+  return hashes;
+}
+
+// An object of another length than the worker's block is a miss: filling part of a page
+// with it would cache the rest of the page (stale bytes) as KV of that hash. Before, the
+// half-page object below was found, and a Get of it landed 2 KiB in a 4 KiB block.
+TEST(PoolTierTest, ObjectsOfAnotherLengthAreMisses) {
+  SmallPool p;
+  ASSERT_NO_FATAL_FAILURE(StartSmallPool("pool-tier-length", p));
+  const std::vector<BlockHash> hashes = PutChain(*p.tier, 100, {kPage, kPage / 2, kPage});  // block 1: half a page
+  PoolLookup found = p.tier->Lookup(hashes, StateKind::kAttnKv, kPage);
   ASSERT_EQ(found.found.size(), 3u);
   EXPECT_TRUE(found.found[0].has_value());
   EXPECT_FALSE(found.found[1].has_value()) << "a half-page object was found for a 4 KiB block";
   EXPECT_TRUE(found.found[2].has_value());
-  (*tier)->Release(found);
+  p.tier->Release(found);
+}
+
+// An object whose bytes on the node no longer match its checksum fails the Get, and is
+// a miss on later Lookups (for mismatch_quarantine), while its neighbours are still
+// found. Before, every request found it again, fetched it and threw the fetch away.
+TEST(PoolTierTest, AnObjectThatFailedItsChecksumIsAMissAfterwards) {
+  SmallPool p;
+  PoolTierOptions o;
+  o.mismatch_quarantine = absl::Hours(1);
+  ASSERT_NO_FATAL_FAILURE(StartSmallPool("pool-tier-mismatch", p, o));
+  const std::vector<BlockHash> hashes = PutChain(*p.tier, 200, {kPage, kPage, kPage});
+  PoolLookup found = p.tier->Lookup(hashes, StateKind::kAttnKv, kPage);
+  ASSERT_EQ(found.found.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) ASSERT_TRUE(found.found[i].has_value()) << i;
+  // Block 1's bytes change on the node after its Commit.
+  ASSERT_EQ(found.found[1]->object.pages.size(), 1u);
+  p.node->core().arena_base()[uint64_t{found.found[1]->object.pages[0]} * kPage + 17] ^= std::byte{0xFF};
+  const std::vector<size_t> which = {0, 1, 2};
+  const std::vector<std::vector<uint64_t>> dst = {{4}, {5}, {6}};
+  const absl::Status got = p.tier->Get(found, which, dst);
+  EXPECT_TRUE(absl::IsDataLoss(got)) << got;
+  EXPECT_EQ(p.tier->mismatched_objects(), 1u);
+  p.tier->Release(found);
+
+  PoolLookup again = p.tier->Lookup(hashes, StateKind::kAttnKv, kPage);
+  ASSERT_EQ(again.found.size(), 3u);
+  EXPECT_TRUE(again.found[0].has_value());
+  EXPECT_FALSE(again.found[1].has_value()) << "the object that failed its checksum was found again";
+  EXPECT_TRUE(again.found[2].has_value());
+  // The others still read back intact.
+  const std::vector<size_t> good = {0, 2};
+  const std::vector<std::vector<uint64_t>> good_dst = {{4}, {6}};
+  EXPECT_TRUE(p.tier->Get(again, good, good_dst).ok());
+  p.tier->Release(again);
 }
 
 // A node that stays down is retried after longer and longer waits (retry_after doubling

@@ -119,6 +119,15 @@ void PoolTier::MarkDown(size_t node, const absl::Status& why) {
   n.down_until = MonotonicNow() + wait;
 }
 
+bool PoolTier::Quarantined(size_t node, const pool_node::ObjectKey& key) {
+  if (quarantined_.empty()) return false;
+  const auto it = quarantined_.find(std::make_pair(node, key));
+  if (it == quarantined_.end()) return false;
+  if (MonotonicNow() < it->second) return true;
+  quarantined_.erase(it);
+  return false;
+}
+
 size_t PoolTier::live_nodes() const {
   size_t live = 0;
   for (const Node& n : nodes_) live += n.client != nullptr;
@@ -158,7 +167,7 @@ PoolLookup PoolTier::Lookup(std::span<const BlockHash> hashes, StateKind kind, u
         while (j < mine.size() && !(mine[j] == obj.key.hash)) ++j;
         if (j == mine.size()) break;
         if (obj.length == length) {
-          out.found[all[begin + j]] = PoolFound{node, obj, lease_index};
+          if (!Quarantined(node, obj.key)) out.found[all[begin + j]] = PoolFound{node, obj, lease_index};
         } else if (misfits++ == 0 && !nodes_[node].warned_length) {
           nodes_[node].warned_length = true;  // once per node: it would come with every Lookup
           spdlog::warn("pool node {}: {} holds {} bytes, not the {} of this model's {}: a miss (is a worker "
@@ -203,9 +212,24 @@ absl::Status PoolTier::Get(const PoolLookup& lookup, std::span<const size_t> whi
     part.prefix_blocks = static_cast<uint32_t>(part.objects.size());
     pool_node::PoolClient* c = nodes_[node].client.get();
     if (c == nullptr) return absl::UnavailableError(absl::StrCat("pool node ", nodes_[node].address, " went away"));
-    absl::Status s = c->Get(part, part_dst);
+    std::vector<size_t> mismatched;
+    absl::Status s = c->Get(part, part_dst, &mismatched);
     if (!s.ok()) {
       if (IsNodeFailure(s)) MarkDown(node, s);
+      if (!mismatched.empty()) {
+        mismatched_objects_ += mismatched.size();
+        const absl::Time until = MonotonicNow() + opts_.mismatch_quarantine;
+        if (quarantined_.size() + mismatched.size() > kMaxQuarantined) {
+          absl::erase_if(quarantined_, [now = MonotonicNow()](const auto& e) { return e.second <= now; });
+        }
+        for (size_t i : mismatched) {
+          if (quarantined_.size() < kMaxQuarantined) quarantined_[{node, part.objects[i].key}] = until;
+        }
+        spdlog::warn("pool node {}: {} objects arrived with other bytes than their checksums (first {}); they "
+                     "are misses for {}",
+                     nodes_[node].address, mismatched.size(), part.objects[mismatched.front()].key.hash.ToHex(),
+                     absl::FormatDuration(opts_.mismatch_quarantine));
+      }
       return s;
     }
   }

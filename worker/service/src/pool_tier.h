@@ -21,8 +21,10 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "kvpool/common/placement.h"
@@ -50,6 +52,10 @@ struct PoolTierOptions {
   // and the node is marked down): the engine, which waits for its step's transfers,
   // stalls this long at most on a hung node, not the transport's default of 30 s.
   absl::Duration transfer_timeout = absl::Seconds(10);
+  // An object whose bytes did not match its checksum on a Get is a miss on its node for
+  // this long: it would otherwise be found, fetched and thrown away on every request.
+  // (A mismatch may also be a lease that ran out mid-transfer, hence not for good.)
+  absl::Duration mismatch_quarantine = absl::Seconds(60);
 };
 
 // Where one looked-up hash was found.
@@ -90,7 +96,8 @@ class PoolTier {
   // them, and a Get of fewer bytes would leave the rest of the page stale, cached as KV.
   PoolLookup Lookup(std::span<const BlockHash> hashes, StateKind kind, uint64_t length);
   // Copies found[i] (i in `which`) into dst[k] pages of the arena. An error means
-  // nothing usable landed (the caller drops the import and recomputes).
+  // nothing usable landed (the caller drops the import and recomputes). An object that
+  // arrived with other bytes than its checksum is quarantined (mismatch_quarantine).
   absl::Status Get(const PoolLookup& lookup, std::span<const size_t> which,
                    std::span<const std::vector<uint64_t>> dst);
   void Release(PoolLookup& lookup);
@@ -106,6 +113,8 @@ class PoolTier {
   std::string Describe();
 
   uint64_t rpc_failures() const { return rpc_failures_.load(); }
+  // Objects that failed their checksum on a Get, since start.
+  uint64_t mismatched_objects() const { return mismatched_objects_.load(); }
 
  private:
   struct Node {
@@ -120,6 +129,7 @@ class PoolTier {
   PoolTier() = default;
   pool_node::PoolClient* Client(size_t node);  // connects lazily; null while down
   void MarkDown(size_t node, const absl::Status& why);
+  bool Quarantined(size_t node, const pool_node::ObjectKey& key);
 
   PoolTierOptions opts_;
   RendezvousRing ring_;
@@ -128,6 +138,10 @@ class PoolTier {
   std::shared_ptr<transport::Arena> arena_;
   std::vector<Node> nodes_;
   std::atomic<uint64_t> rpc_failures_{0};
+  std::atomic<uint64_t> mismatched_objects_{0};
+  // (node, object) -> until when it is a miss; at most kMaxQuarantined entries.
+  static constexpr size_t kMaxQuarantined = 1 << 16;
+  absl::flat_hash_map<std::pair<size_t, pool_node::ObjectKey>, absl::Time> quarantined_;
 };
 
 }  // namespace kvpool::worker

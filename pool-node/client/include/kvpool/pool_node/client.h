@@ -156,7 +156,10 @@ class PoolClient {
   // FAILED_PRECONDITION when the lease ran out before a batch started (objects of
   // earlier batches are in place and intact); DATA_LOSS when bytes do not match (e.g.
   // the lease ran out during the transfer and the node reused the pages): Lookup again.
-  absl::Status Get(const PoolLease& lease, std::span<const std::vector<uint64_t>> dst);
+  // On DATA_LOSS, `mismatched` (when given) lists the index in lease.objects of each object
+  // of the failed batch whose bytes did not match.
+  absl::Status Get(const PoolLease& lease, std::span<const std::vector<uint64_t>> dst,
+                   std::vector<size_t>* mismatched = nullptr);
   // Stores objects: one status per item (OK: stored or already present; DATA_LOSS: the
   // node saw other bytes than the checksum says). RESOURCE_EXHAUSTED etc. for the call.
   absl::StatusOr<std::vector<absl::Status>> Put(std::span<const PutItem> items);
