@@ -186,6 +186,29 @@ TEST_P(HybridRunnerTest, FailedFetchAcrossTwoCheckpointsLeavesNoHit) {
   EXPECT_SAME_OUTPUT(got, Gen(*cold, prompt, 3));
 }
 
+// A failed fetch evicts only the pages it was to fill. Here the local prefix is 5 blocks
+// with a checkpoint after 4: a strict hit stops at the checkpoint, so the import copies
+// local block 4 into a fresh page and fetches blocks 5..8. Before, FinishImport(false)
+// evicted block 4 by hash, the local copy it came from as well: a good local block lost.
+TEST_P(HybridRunnerTest, FailedFetchKeepsTheLocalBlocksItCopied) {
+  auto b = MakeRunner("tiny-hybrid", Mode(GetParam()));
+  ASSERT_TRUE(b);
+  Gen(*b, Concat(Prefix(), Tokens(10, 1)), 1);  // blocks 0..4 cached, checkpoint at 256
+  const auto prompt = Concat(Prefix(), Tokens(4 * kBlock + 10, 2));
+  const auto chain = b->HashPrompt(prompt, "");
+  ASSERT_EQ(chain.size(), 9u);
+  bool have[9];
+  for (size_t i = 0; i < 9; ++i) have[i] = i >= 5;
+  auto plan = b->BeginImport(chain, have, {});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(plan->blocks.size(), 4u);
+  ASSERT_TRUE(b->FinishImport(*plan, /*filled=*/false).ok());
+  for (size_t i = 0; i < 5; ++i) EXPECT_TRUE(b->ExportBlock(chain[i]).ok()) << "local block " << i << " was evicted";
+  for (size_t i = 5; i < 9; ++i) EXPECT_EQ(b->ExportBlock(chain[i]).status().code(), absl::StatusCode::kNotFound) << i;
+  const GenerateResult got = Gen(*b, prompt, 1);
+  EXPECT_EQ(got.hit_tokens, GetParam() == cache::HybridHitMode::kReplay ? 5 * kBlock : kCheckpoint);
+}
+
 INSTANTIATE_TEST_SUITE_P(Modes, HybridRunnerTest,
                          ::testing::Values(cache::HybridHitMode::kReplay,
                                            cache::HybridHitMode::kStrict),

@@ -357,6 +357,20 @@ absl::StatusOr<int> BlockPool::EvictCached(const BlockHash& hash, StateKind kind
   return dropped;
 }
 
+absl::Status BlockPool::EvictCachedBlock(BlockId id) {
+  if (id <= 0 || static_cast<size_t>(id) >= blocks_.size() || !blocks_[id].is_cached ||
+      blocks_[id].kind != StateKind::kAttnKv) {
+    return absl::NotFoundError(absl::StrCat("block ", id, " is not a cached attn block"));
+  }
+  if (blocks_[id].ref_cnt > 0) {
+    return absl::FailedPreconditionError(absl::StrCat("block ", id, " is in use by ", blocks_[id].ref_cnt,
+                                                      " request(s); free them before evicting it"));
+  }
+  EvictBlock(id, kNoBlock);
+  FlushEvents();
+  return absl::OkStatus();
+}
+
 absl::Status BlockPool::ResetPrefixCache() {
   if (num_used_blocks() > 0) {
     return absl::FailedPreconditionError(absl::StrCat(

@@ -453,6 +453,8 @@ absl::StatusOr<int> KvCacheManager::EvictCached(const BlockHash& hash, StateKind
   return pool_.EvictCached(hash, kind);
 }
 
+absl::Status KvCacheManager::EvictCachedBlock(BlockId id) { return pool_.EvictCachedBlock(id); }
+
 std::span<const BlockId> KvCacheManager::BlockTable(RequestId id) const {
   const Request* r = Find(id);
   return r == nullptr ? std::span<const BlockId>() : std::span<const BlockId>(r->blocks);

@@ -577,7 +577,6 @@ absl::StatusOr<ImportPlan> ModelRunner::BeginImport(std::span<const BlockHash> c
   plan.stats.blocks_present = static_cast<int32_t>(hit->blocks.size());
   const std::span<const cache::BlockId> table = cache_->BlockTable(rid);
   for (size_t i = static_cast<size_t>(alloc->first_new_block); i < table.size(); ++i) {
-    plan.cached.push_back(chain[i]);
     if (have_bytes[i]) {
       plan.blocks.push_back({static_cast<int32_t>(i), table[i]});
     } else {
@@ -607,18 +606,21 @@ absl::Status ModelRunner::FinishImport(ImportPlan& plan, bool filled) {
   plan.request = 0;
   absl::Status first = cache_->Free(rid);
   // Checkpoint runs the manager set aside without bytes to put in them must not be
-  // hits; on failure neither may anything the import cached. Every eviction is tried
-  // even after one fails (a hit left behind serves bytes nobody wrote), and a hash that
-  // is gone already (NOT_FOUND: an unfilled checkpoint is also in cached_checkpoints)
-  // is what eviction wants.
-  auto evict = [&](const BlockHash& h, StateKind kind) {
-    const absl::Status st = cache_->EvictCached(h, kind).status();
+  // hits; on failure neither may the pages the caller was to fill. Only those pages go:
+  // the blocks the import copied from this cache hold good bytes, and so do other copies
+  // of a hash (evicting by hash dropped the local copies the import was made from).
+  // Every eviction is tried even after one fails (a hit left behind serves bytes nobody
+  // wrote), and a hash or page that is gone already (NOT_FOUND: an unfilled checkpoint is
+  // also in cached_checkpoints) is what eviction wants.
+  auto keep_first = [&](const absl::Status& st) {
     if (!st.ok() && !absl::IsNotFound(st) && first.ok()) first = st;
   };
-  for (const BlockHash& h : plan.unfilled) evict(h, StateKind::kLinearState);
+  for (const BlockHash& h : plan.unfilled) keep_first(cache_->EvictCached(h, StateKind::kLinearState).status());
   if (!filled) {
-    for (const BlockHash& h : plan.cached_checkpoints) evict(h, StateKind::kLinearState);
-    for (const BlockHash& h : plan.cached) evict(h, StateKind::kAttnKv);
+    for (const BlockHash& h : plan.cached_checkpoints) {
+      keep_first(cache_->EvictCached(h, StateKind::kLinearState).status());
+    }
+    for (const ImportPlan::BlockSlot& slot : plan.blocks) keep_first(cache_->EvictCachedBlock(slot.page));
   }
   return first;
 }

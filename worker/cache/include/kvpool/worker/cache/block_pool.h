@@ -140,6 +140,10 @@ class BlockPool {
   // NOT_FOUND when nothing is cached under `hash`, FAILED_PRECONDITION when every copy
   // is in use.
   absl::StatusOr<int> EvictCached(const BlockHash& hash, StateKind kind);
+  // Drops one free cached attn block, `id`, from the cache (other copies of its hash stay
+  // cached). NOT_FOUND when `id` is not a cached attn block, FAILED_PRECONDITION when it
+  // is in use.
+  absl::Status EvictCachedBlock(BlockId id);
   // Forgets every hash and emits `cleared`. FAILED_PRECONDITION while a block is in use.
   absl::Status ResetPrefixCache();
 

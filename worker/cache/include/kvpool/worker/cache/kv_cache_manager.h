@@ -79,6 +79,8 @@ class KvCacheManager : public CacheManager {
   // Drops the free copies of a cached block / a cached checkpoint now (see
   // BlockPool::EvictCached); for invalidation and tests.
   absl::StatusOr<int> EvictCached(const BlockHash& hash, StateKind kind);
+  // Drops one free cached attn block (BlockPool::EvictCachedBlock).
+  absl::Status EvictCachedBlock(BlockId id);
   // The block hashes the request knows (full blocks of its known tokens).
   std::span<const BlockHash> BlockHashes(RequestId id) const;
   // The head of the request's live KDA state run, or kNoBlock.

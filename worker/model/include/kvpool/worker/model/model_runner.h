@@ -132,7 +132,8 @@ struct ImportStats {
 // into the pages: no staging copy). BeginImport allocates and caches; the caller fills
 // `blocks[i].page` with the block bytes of chain[blocks[i].chain_index] and each
 // checkpoint run with its state bytes; FinishImport(filled) releases the pages to the
-// cache (filled) or evicts everything the import cached (the fetch failed).
+// cache (filled) or evicts the pages the caller was to fill and the checkpoints (the fetch
+// failed); blocks the import copied from this cache stay cached.
 struct ImportPlan {
   struct BlockSlot {
     int32_t chain_index = 0;
@@ -147,7 +148,7 @@ struct ImportPlan {
   ImportStats stats;
   // Internal: the import's cache request and what it cached.
   uint64_t request = 0;
-  std::vector<BlockHash> cached, cached_checkpoints, unfilled;
+  std::vector<BlockHash> cached_checkpoints, unfilled;
 };
 
 class ModelRunner {
