@@ -97,9 +97,10 @@ struct EvictionPlan {
   std::set<std::pair<uint64_t, ObjectKey>> exposed;
   absl::flat_hash_map<ObjectKey, size_t> children_left;  // in the tier, not chosen yet
   uint64_t pages = 0;  // the victims' pages in the tier
-  // DRAM plans: DRAM-only objects with a child on NVMe (Impl::Strands), whose drop would
-  // put that NVMe chain out of reach of prefix Lookups until the parent is put again
-  // (demotion moves them out whole instead), are passed over and kept here, least
+  // Objects whose drop from the plan's tier would erase them while a child has a copy in
+  // the other tier (Impl::Strands: a DRAM-only parent of an NVMe chain, an NVMe-only
+  // parent of a DRAM chain), putting that chain out of reach of prefix Lookups until the
+  // parent is put again (demotion moves chains out whole instead), are passed over and kept here, least
   // recently used first, up to kMaxSpared per plan; they are taken only once nothing
   // else is left. Past that bound (a DRAM of many split chains) they are taken in LRU
   // order like any leaf, so a plan never walks more than kMaxSpared extra leaves.
@@ -212,10 +213,12 @@ class PoolCore::Impl {
   // room it was to make is not there.
   bool DropVictims(const EvictionPlan& plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool Evictable(const Object& o, int t) const;
-  // Dropping o's DRAM copy would erase o while a child of it has an NVMe copy: that
-  // child, and the chain below it, could no longer be reached by a prefix Lookup.
-  bool Strands(const Object& o) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return !o.copy[static_cast<int>(Tier::kNvme)] && HasChildIn(o, static_cast<int>(Tier::kNvme));
+  // Dropping o's copy in tier t would erase o (it has no copy in the other tier) while a
+  // child of it has a copy in the other tier: that child, and the chain below it, could
+  // no longer be reached by a prefix Lookup.
+  bool Strands(const Object& o, int t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const int other = 1 - t;
+    return !o.copy[other] && HasChildIn(o, other);
   }
   // Restores invariant 5 for `o`; call after changing its DRAM copy, leases, pins,
   // demoting or promotion.

@@ -1028,6 +1028,25 @@ TEST_F(NvmeTierTest, DramEvictionSparesTheParentOfAnNvmeChain) {
   ExpectChainReadsBack(*core, 1, 3, kPage);
 }
 
+// The mirror case: NVMe eviction passes over an NVMe-only parent whose child is in DRAM
+// only. Here the room is for that very child's demotion; before, the parent went (it was
+// the least recently used NVMe leaf), and the child landed on NVMe out of reach of every
+// prefix Lookup.
+TEST_F(NvmeTierTest, NvmeEvictionSparesTheParentOfADramChain) {
+  auto core = Make(8, 2);  // objects of one page each
+  ASSERT_TRUE(Put(*core, H(1), std::nullopt, Pattern(1, kPage)).ok());
+  ASSERT_EQ(core->Demote(1), 1u);  // H1 to NVMe only
+  ASSERT_TRUE(Put(*core, H(10), std::nullopt, Pattern(10, kPage)).ok());
+  ASSERT_EQ(core->Demote(1), 1u);  // H10 too: NVMe full, H1 its least recently used leaf
+  ASSERT_TRUE(Put(*core, H(2), H(1), Pattern(2, kPage)).ok());  // H1 -> H2, H2 in DRAM only
+  ASSERT_EQ(core->Demote(1), 1u);  // H2 needs an NVMe page: H10 makes it, not H2's parent
+  EXPECT_FALSE(core->Inspect({H(10), StateKind::kAttnKv}).has_value());
+  ASSERT_TRUE(core->Inspect({H(1), StateKind::kAttnKv}).has_value()) << "H2's parent was evicted";
+  EXPECT_TRUE(core->Inspect({H(2), StateKind::kAttnKv})->on_nvme);
+  EXPECT_TRUE(core->CheckIndex().ok());
+  ExpectChainReadsBack(*core, 1, 2, kPage);
+}
+
 // When the room needs them, the parents of NVMe chains go after every other leaf, and
 // then least recently used first: one chain is cut, not two.
 TEST_F(NvmeTierTest, ParentsOfNvmeChainsGoLastAndOnlyAsManyAsTheRoomNeeds) {
