@@ -139,6 +139,8 @@ class PoolCore::Impl {
   uint64_t used_by_kind_[kNumTiers][kNumKinds] ABSL_GUARDED_BY(mu_) = {};  // pages
   uint64_t reserved_by_kind_[kNumKinds] ABSL_GUARDED_BY(mu_) = {};        // pages
   uint64_t held_by_kind_[kNumKinds] ABSL_GUARDED_BY(mu_) = {};            // pages (inv. 5)
+  // DRAM pages allocated for promotions under way (counted in used_by_kind_ once they land).
+  uint64_t promoting_by_kind_[kNumKinds] ABSL_GUARDED_BY(mu_) = {};
   uint64_t objects_in_[kNumTiers] ABSL_GUARDED_BY(mu_) = {};
   uint64_t evictions_[kNumTiers] ABSL_GUARDED_BY(mu_) = {};
   uint64_t checksum_failures_ ABSL_GUARDED_BY(mu_) = 0;
@@ -203,6 +205,24 @@ class PoolCore::Impl {
   // eviction cannot make that much room (or false after an NVMe journal failure, see
   // DropVictims).
   bool Evict(int t, uint64_t free_pages) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Plans DRAM victims (into a DRAM plan) so that `need` more pages fit, need_kind[k] of
+  // them of kind k, each kind within its quota (counting its reserved and held pages and
+  // its promotions under way): first what each kind's quota needs, then what the tier
+  // still needs beyond the room those make. Drops nothing (DropVictims does). On a
+  // shortfall, says which and of what kind (-1: the tier).
+  enum class RoomShort {
+    kNone,
+    kQuota,      // the kind's quota cannot fit it even after evicting every unheld object
+    kQuotaHeld,  // the kind's evictable leaves (and parents they expose) fall short
+    kTier,       // the tier cannot fit it even after evicting every unheld object
+    kTierHeld,   // the tier's evictable leaves fall short
+  };
+  struct RoomPlan {
+    RoomShort shortfall = RoomShort::kNone;
+    int kind = -1;
+  };
+  RoomPlan PlanDramRoom(EvictionPlan& plan, const uint64_t (&need_kind)[kNumKinds], uint64_t need)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Adds victims of plan.tier (of `kind` only, if given) to `plan` until the ones this
   // call adds hold `pages` pages of the tier. False if the tier's evictable leaves, and
   // the parents they expose, fall short (the plan then holds all it could add).

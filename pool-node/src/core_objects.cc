@@ -274,6 +274,32 @@ bool PoolCore::Impl::Evict(int t, uint64_t free_pages) {
   return PlanVictims(plan, std::nullopt, free_pages - alloc_[t]->free_pages()) && DropVictims(plan);
 }
 
+PoolCore::Impl::RoomPlan PoolCore::Impl::PlanDramRoom(EvictionPlan& plan, const uint64_t (&need_kind)[kNumKinds],
+                                                       uint64_t need) {
+  constexpr int kD = static_cast<int>(Tier::kDram);
+  // Each limit is checked before any planning: a request that cannot fit must not plan
+  // (or, for the caller, drop) anything on its way to failing.
+  for (int k = 0; k < kNumKinds; ++k) {
+    if (opt_.dram_quota_bytes[k] == 0 || need_kind[k] == 0) continue;
+    const uint64_t quota = opt_.dram_quota_bytes[k] / page_bytes_;
+    if (need_kind[k] + reserved_by_kind_[k] + promoting_by_kind_[k] + held_by_kind_[k] > quota) {
+      return {RoomShort::kQuota, k};
+    }
+  }
+  const uint64_t dram_free = alloc_[kD]->free_pages();
+  if (need > dram_free && need > dram_free + EvictableDramPages(-1)) return {RoomShort::kTier, -1};
+  for (int k = 0; k < kNumKinds; ++k) {
+    if (opt_.dram_quota_bytes[k] == 0 || need_kind[k] == 0) continue;
+    const uint64_t quota = opt_.dram_quota_bytes[k] / page_bytes_;
+    const uint64_t limit = quota - need_kind[k] - reserved_by_kind_[k] - promoting_by_kind_[k];  // fits: above
+    const uint64_t used = used_by_kind_[kD][k];
+    if (used > limit && !PlanVictims(plan, static_cast<StateKind>(k), used - limit)) return {RoomShort::kQuotaHeld, k};
+  }
+  const uint64_t room = dram_free + plan.pages;
+  if (need > room && !PlanVictims(plan, std::nullopt, need - room)) return {RoomShort::kTierHeld, -1};
+  return {};
+}
+
 bool PoolCore::Impl::PlanVictims(EvictionPlan& plan, std::optional<StateKind> kind, uint64_t pages) {
   const int t = plan.tier;
   const bool spare = plan.spare_strands;

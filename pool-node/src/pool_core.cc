@@ -249,54 +249,43 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
   // Decide whether eviction can make room before evicting anything: a Reserve that
   // cannot fit must not empty the cache on its way to RESOURCE_EXHAUSTED. The held
   // pages (leased, pinned, in flight) stay whatever is evicted; reserved pages too.
-  for (int k = 0; k < kNumKinds; ++k) {
-    const uint64_t quota = options_.dram_quota_bytes[k] / page_bytes_;
-    if (options_.dram_quota_bytes[k] == 0 || need_kind[k] == 0) continue;
-    const uint64_t reserved = im.reserved_by_kind_[k];
-    if (need_kind[k] + reserved + im.held_by_kind_[k] > quota) {
-      unpin();
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "the DRAM quota for ", StateKindName(static_cast<StateKind>(k)), " (",
-          options_.dram_quota_bytes[k], " bytes) cannot fit ", need_kind[k] * page_bytes_,
-          " more bytes after evicting every unleased object of that kind; retry later or raise the quota"));
-    }
-  }
-  const uint64_t dram_free = im.alloc_[kD]->free_pages();
-  if (need > dram_free && need > dram_free + im.EvictableDramPages(-1)) {
-    unpin();
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "Reserve needs ", need, " pages (", need * page_bytes_, " bytes) but the DRAM tier has ",
-        dram_free, " of ", dram_pages_, " pages free and at most ", im.EvictableDramPages(-1),
-        " more unleased", im.HeldBackNote(), "; nothing was evicted; retry later, release leases or add --dram"));
-  }
   // Every victim is chosen before any is dropped: first what each kind's quota needs,
   // then what the tier still needs beyond the room those make. DRAM-only parents of
   // NVMe chains go last (EvictionPlan::spare_strands).
   EvictionPlan plan;
   plan.tier = kD;
   plan.spare_strands = true;
-  for (int k = 0; k < kNumKinds; ++k) {
-    const uint64_t quota = options_.dram_quota_bytes[k] / page_bytes_;
-    if (options_.dram_quota_bytes[k] == 0 || need_kind[k] == 0) continue;
-    const uint64_t limit = quota - need_kind[k] - im.reserved_by_kind_[k];  // fits: checked above
-    const uint64_t used = im.used_by_kind_[kD][k];
-    if (used > limit && !im.PlanVictims(plan, static_cast<StateKind>(k), used - limit)) {
-      unpin();
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "the DRAM quota for ", StateKindName(static_cast<StateKind>(k)), " (",
-          options_.dram_quota_bytes[k], " bytes) cannot fit ", need_kind[k] * page_bytes_,
-          " more bytes: leased objects (or the chains above them) hold the rest; nothing was evicted; "
-          "retry later or raise the quota"));
-    }
-  }
-  const uint64_t room = dram_free + plan.pages;
-  if (need > room && !im.PlanVictims(plan, std::nullopt, need - room)) {
+  const uint64_t dram_free = im.alloc_[kD]->free_pages();
+  const Impl::RoomPlan room = im.PlanDramRoom(plan, need_kind, need);
+  if (room.shortfall != Impl::RoomShort::kNone) {
     unpin();
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "Reserve needs ", need, " pages (", need * page_bytes_, " bytes) but the DRAM tier has ",
-        dram_free, " of ", dram_pages_, " pages free and eviction could free only ",
-        plan.pages, " more: leased objects (or the chains above them) hold the rest", im.HeldBackNote(),
-        "; nothing was evicted; retry later, release leases or add --dram"));
+    const auto quota_text = [&] {
+      return absl::StrCat("the DRAM quota for ", StateKindName(static_cast<StateKind>(room.kind)), " (",
+                          options_.dram_quota_bytes[room.kind], " bytes) cannot fit ",
+                          need_kind[room.kind] * page_bytes_, " more bytes");
+    };
+    const auto tier_text = [&] {
+      return absl::StrCat("Reserve needs ", need, " pages (", need * page_bytes_, " bytes) but the DRAM tier has ",
+                          dram_free, " of ", dram_pages_, " pages free and ");
+    };
+    switch (room.shortfall) {
+      case Impl::RoomShort::kQuota:
+        return absl::ResourceExhaustedError(absl::StrCat(
+            quota_text(), " after evicting every unleased object of that kind; retry later or raise the quota"));
+      case Impl::RoomShort::kQuotaHeld:
+        return absl::ResourceExhaustedError(absl::StrCat(
+            quota_text(), ": leased objects (or the chains above them) hold the rest; nothing was evicted; "
+            "retry later or raise the quota"));
+      case Impl::RoomShort::kTier:
+        return absl::ResourceExhaustedError(absl::StrCat(
+            tier_text(), "at most ", im.EvictableDramPages(-1), " more unleased", im.HeldBackNote(),
+            "; nothing was evicted; retry later, release leases or add --dram"));
+      default:
+        return absl::ResourceExhaustedError(absl::StrCat(
+            tier_text(), "eviction could free only ", plan.pages,
+            " more: leased objects (or the chains above them) hold the rest", im.HeldBackNote(),
+            "; nothing was evicted; retry later, release leases or add --dram"));
+    }
   }
   im.DropVictims(plan);  // DRAM copies: their pages are freed (no journal)
   Reservation out;
@@ -528,7 +517,13 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
       } else if (!o->nvme_busy) {
         const uint64_t n = o->pages[kN].size();
         std::optional<std::vector<uint32_t>> pages;
-        if (im.alloc_[kD]->free_pages() >= n || im.Evict(kD, n)) {
+        // Room as a Reserve makes it: within the kind's DRAM quota, evicting leaves.
+        uint64_t need_kind[kNumKinds] = {};
+        need_kind[KindIndex(key.kind)] = n;
+        EvictionPlan plan;
+        plan.tier = kD;
+        plan.spare_strands = true;
+        if (im.PlanDramRoom(plan, need_kind, n).shortfall == Impl::RoomShort::kNone && im.DropVictims(plan)) {
           pages = im.alloc_[kD]->Allocate(static_cast<uint32_t>(n));
         }
         o = im.Find(key);  // eviction never takes NVMe-only objects' only copy, but re-find
@@ -538,6 +533,7 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
           break;
         }
         o->nvme_busy = true;
+        im.promoting_by_kind_[KindIndex(key.kind)] += n;
         o->promotion = std::make_shared<absl::Notification>();
         im.SyncHeld(*o);
         promos.push_back(Promo{key, o->pages[kN], std::move(*pages), o->promotion, o->length, o->checksum});
@@ -601,6 +597,7 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
       Object* o = im.Find(p.key);  // nvme_busy kept its NVMe copy, so it still exists
       o->nvme_busy = false;
       o->promotion.reset();
+      im.promoting_by_kind_[KindIndex(p.key.kind)] -= p.dram_pages.size();
       if (results[i].ok()) {
         im.AddCopy(*o, kD, std::move(p.dram_pages));
         ++im.promotions_;

@@ -1047,6 +1047,56 @@ TEST_F(NvmeTierTest, NvmeEvictionSparesTheParentOfADramChain) {
   ExpectChainReadsBack(*core, 1, 2, kPage);
 }
 
+// A promotion into DRAM keeps to its kind's DRAM quota as a Reserve does: the kind's
+// least recently used DRAM leaf makes room, and the kind never goes over. Before, the
+// promotion took a free page and the kind held 3 pages under a quota of 2.
+TEST_F(NvmeTierTest, PromotionKeepsToTheKindsDramQuota) {
+  auto core = Make(16, 16, {.dram_quota_bytes = {2 * kPage, 0}});
+  const int kv = KindIndex(StateKind::kAttnKv);
+  ASSERT_TRUE(Put(*core, H(1), std::nullopt, Pattern(1, kPage)).ok());
+  ASSERT_EQ(core->Demote(1), 1u);  // H1 on NVMe only
+  ASSERT_TRUE(Put(*core, H(3), std::nullopt, Pattern(3, kPage)).ok());
+  ASSERT_TRUE(Put(*core, H(4), std::nullopt, Pattern(4, kPage)).ok());  // the quota is full: H3, H4
+  ASSERT_EQ(core->Stats().tiers[0].bytes_by_kind[kv], 2 * kPage);
+  auto a = core->Lookup({.hashes = {H(1)}});
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_EQ(a->prefix_blocks, 1u);
+  EXPECT_EQ(a->objects[0].found_in, Tier::kNvme);
+  EXPECT_EQ(core->Stats().tiers[0].bytes_by_kind[kv], 2 * kPage) << "the promotion went over the quota";
+  EXPECT_FALSE(core->Inspect({H(3), StateKind::kAttnKv}).has_value());  // the kind's LRU leaf
+  EXPECT_TRUE(core->Inspect({H(4), StateKind::kAttnKv}).has_value());
+  auto b = core->ReadObject(a->lease_id, {H(1), StateKind::kAttnKv});
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_TRUE(*b == Pattern(1, kPage));
+  ASSERT_TRUE(core->Release(a->lease_id).ok());
+  EXPECT_TRUE(core->CheckIndex().ok());
+}
+
+// With the kind's quota all leased, a promotion is a miss (its NVMe copy stays), as a
+// Reserve would be refused.
+TEST_F(NvmeTierTest, PromotionPastALeasedQuotaIsAMiss) {
+  auto core = Make(16, 16, {.dram_quota_bytes = {2 * kPage, 0}});
+  ASSERT_TRUE(Put(*core, H(1), std::nullopt, Pattern(1, kPage)).ok());
+  ASSERT_EQ(core->Demote(1), 1u);
+  PutChain(*core, 3, 2, kPage);  // H3 -> H4: the quota is full
+  auto held = core->Lookup({.hashes = {H(3), H(4)}});
+  ASSERT_TRUE(held.ok()) << held.status();
+  auto a = core->Lookup({.hashes = {H(1)}});
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->prefix_blocks, 0u);
+  EXPECT_TRUE(core->Inspect({H(1), StateKind::kAttnKv})->on_nvme);
+  EXPECT_FALSE(core->Inspect({H(1), StateKind::kAttnKv})->in_dram);
+  ASSERT_TRUE(core->Release(held->lease_id).ok());
+  auto again = core->Lookup({.hashes = {H(1)}});  // now the quota can make room
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->prefix_blocks, 1u);
+  if (a->lease_id != 0) {
+    ASSERT_TRUE(core->Release(a->lease_id).ok());
+  }
+  ASSERT_TRUE(core->Release(again->lease_id).ok());
+  EXPECT_TRUE(core->CheckIndex().ok());
+}
+
 // When the room needs them, the parents of NVMe chains go after every other leaf, and
 // then least recently used first: one chain is cut, not two.
 TEST_F(NvmeTierTest, ParentsOfNvmeChainsGoLastAndOnlyAsManyAsTheRoomNeeds) {
