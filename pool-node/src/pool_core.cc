@@ -235,8 +235,8 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
     ReservedEntry re;
     re.spec = e;
     if (Object* o = im.Find(ObjectKey{e.hash, e.kind})) {
-      re.already_present = true;
-      im.Touch(*o);
+      re.already_present = true;  // immutable: one of another length stays as it is
+      if (o->length == e.length) im.Touch(*o);  // else it ages out (Lookups of that length miss it too)
       im.Pin(*o);
       pinned.push_back(o->key);
       if (e.kind == StateKind::kLinearState) im.PinKvPrefix(e.hash, pinned, kv_seen);
@@ -468,7 +468,10 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
   std::vector<ObjectKey> pinned;
   std::vector<Promo> promos;
   std::vector<std::shared_ptr<absl::Notification>> waits;
-  auto visible = [&](const Object* o) { return o != nullptr && im.Visible(*o); };
+  auto visible = [&](const Object* o) {
+    return o != nullptr && im.Visible(*o) && (spec.object_length == 0 || o->length == spec.object_length);
+  };
+  uint32_t other_length = 0;
   {
     absl::MutexLock l(&im.mu_);
     im.ExpireLocked(im.clock_->NowMs());
@@ -477,7 +480,9 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
     std::vector<ObjectKey> chain;
     for (const BlockHash& h : spec.hashes) {
       const ObjectKey key{h, spec.kind};
-      if (!visible(im.Find(key))) {
+      const Object* o = im.Find(key);
+      if (!visible(o)) {
+        other_length += o != nullptr && im.Visible(*o);
         if (spec.allow_gaps) continue;
         break;
       }
@@ -618,6 +623,7 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
   for (auto& w : waits) w->WaitForNotification();
   // Final answer: the prefix (or hits) now in DRAM, under one lease.
   LookupAnswer ans;
+  ans.other_length = other_length;
   absl::MutexLock l(&im.mu_);
   const int64_t now = im.clock_->NowMs();
   LeaseState lease;

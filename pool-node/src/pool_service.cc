@@ -220,6 +220,7 @@ grpc::ServerUnaryReactor* PoolNodeService::Lookup(grpc::CallbackServerContext* c
   if (!s.ok()) return Answer(ctx, Done(kLookup, s));
   spec.lease_ms = req->lease_ms();
   spec.allow_gaps = req->allow_gaps();
+  spec.object_length = req->object_length();
   spec.never_block = true;
   absl::StatusOr<LookupAnswer> ans = core_->Lookup(spec);
   if (absl::IsUnavailable(ans.status())) {  // needs NVMe reads: not on this thread
@@ -252,6 +253,7 @@ grpc::Status PoolNodeService::FinishLookup(absl::StatusOr<LookupAnswer> ans, v1:
   resp->set_lease_id(ans->lease_id);
   resp->set_lease_expires_unix_ms(ans->lease_id != 0 ? WallMsPlus(ans->lease_ttl_ms) : 0);
   resp->set_lease_ttl_ms(ans->lease_ttl_ms);
+  resp->set_other_length(ans->other_length);
   resp->mutable_objects()->Reserve(ans->objects.size());
   for (const ObjectDesc& d : ans->objects) {
     v1::ObjectDescriptor* o = resp->add_objects();

@@ -710,5 +710,37 @@ TEST_F(PoolCoreTest, QuotaThatCannotFitEvictsNothing) {
   EXPECT_TRUE(core->Release(lease->lease_id).ok());
 }
 
+// A Lookup that names the object length its caller can use treats an object of another
+// length (put by a writer with another model of the same name) as a miss: not answered,
+// not leased, not made more recent, so it ages out; the answer counts it. A Reserve of
+// the same hash at the caller's length leaves it as it is without making it more recent.
+// Before, the misfit was leased and made the most recent by every such Lookup.
+TEST_F(PoolCoreTest, LookupTreatsAnObjectOfAnotherLengthAsAMiss) {
+  auto core = Make(4);
+  PutChain(*core, 1, 2, kPage);                                         // H1 -> H2, a page each
+  ASSERT_TRUE(Put(*core, H(3), H(2), Pattern(3, 100)).ok());            // H3: 100 bytes, a misfit
+  ASSERT_TRUE(Put(*core, H(9), std::nullopt, Pattern(9, kPage)).ok());  // DRAM full
+  auto a = core->Lookup({.hashes = {H(1), H(2), H(3)}, .object_length = kPage});
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->prefix_blocks, 2u);
+  ASSERT_EQ(a->objects.size(), 2u);
+  EXPECT_EQ(a->other_length, 1u);
+  EXPECT_EQ(core->Inspect({H(3), StateKind::kAttnKv})->leases, 0u);
+  ASSERT_TRUE(core->Release(a->lease_id).ok());
+  const ReserveEntrySpec same{H(3), H(2), StateKind::kAttnKv, kPage};
+  auto r = core->Reserve({&same, 1});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->slots[0].already_present);
+  // Untouched, H3 is still the least recently used DRAM leaf (H2 is not a leaf): it goes.
+  ASSERT_TRUE(Put(*core, H(20), std::nullopt, Pattern(20, kPage)).ok());
+  EXPECT_FALSE(core->Inspect({H(3), StateKind::kAttnKv}).has_value());
+  EXPECT_TRUE(core->Inspect({H(9), StateKind::kAttnKv}).has_value());
+  // Without object_length, any length is a hit.
+  auto any = core->Lookup({.hashes = {H(1), H(2)}});
+  ASSERT_TRUE(any.ok()) << any.status();
+  EXPECT_EQ(any->prefix_blocks, 2u);
+  ASSERT_TRUE(core->Release(any->lease_id).ok());
+}
+
 }  // namespace
 }  // namespace kvpool::pool_node

@@ -273,7 +273,7 @@ uint64_t PoolClient::LocalChecksum(std::span<const uint64_t> pages, uint64_t len
 }
 
 absl::StatusOr<PoolLease> PoolClient::Lookup(std::span<const BlockHash> chain, StateKind kind,
-                                             uint32_t lease_ms, bool allow_gaps) {
+                                             uint32_t lease_ms, bool allow_gaps, uint64_t object_length) {
   ReapReleases();
   // Request and response on one arena: a 128-hash answer is ~400 small messages and
   // repeated fields, which the heap allocator otherwise serves one by one.
@@ -286,6 +286,7 @@ absl::StatusOr<PoolLease> PoolClient::Lookup(std::span<const BlockHash> chain, S
   req->set_kind(KindToProto(kind));
   req->set_lease_ms(lease_ms);
   req->set_allow_gaps(allow_gaps);
+  req->set_object_length(object_length);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(s_->opt.rpc_timeout_ms));
   const auto sent = std::chrono::steady_clock::now();
@@ -294,6 +295,7 @@ absl::StatusOr<PoolLease> PoolClient::Lookup(std::span<const BlockHash> chain, S
   lease.prefix_blocks = resp->prefix_blocks();
   lease.lease_id = resp->lease_id();
   lease.expires_unix_ms = resp->lease_expires_unix_ms();
+  lease.other_length = resp->other_length();
   if (resp->lease_ttl_ms() > 0) lease.usable_until = UsableUntil(sent, resp->lease_ttl_ms());
   lease.objects.reserve(resp->objects_size());
   for (const v1::ObjectDescriptor& d : resp->objects()) {

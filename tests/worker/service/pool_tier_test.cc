@@ -148,7 +148,8 @@ std::vector<BlockHash> PutChain(PoolTier& tier, uint64_t first, const std::vecto
 
 // An object of another length than the worker's block is a miss: filling part of a page
 // with it would cache the rest of the page (stale bytes) as KV of that hash. Before, the
-// half-page object below was found, and a Get of it landed 2 KiB in a 4 KiB block.
+// half-page object below was found, and a Get of it landed 2 KiB in a 4 KiB block; and the
+// node leased it (and made it more recent) on every Lookup.
 TEST(PoolTierTest, ObjectsOfAnotherLengthAreMisses) {
   SmallPool p;
   ASSERT_NO_FATAL_FAILURE(StartSmallPool("pool-tier-length", p));
@@ -158,6 +159,9 @@ TEST(PoolTierTest, ObjectsOfAnotherLengthAreMisses) {
   EXPECT_TRUE(found.found[0].has_value());
   EXPECT_FALSE(found.found[1].has_value()) << "a half-page object was found for a 4 KiB block";
   EXPECT_TRUE(found.found[2].has_value());
+  // The node was told the length (LookupRequest.object_length): it leased only the others.
+  EXPECT_EQ(p.node->core().Inspect({hashes[1], StateKind::kAttnKv})->leases, 0u);
+  EXPECT_EQ(p.node->core().Inspect({hashes[2], StateKind::kAttnKv})->leases, 1u);
   p.tier->Release(found);
 }
 

@@ -150,7 +150,9 @@ PoolLookup PoolTier::Lookup(std::span<const BlockHash> hashes, StateKind kind, u
       std::vector<BlockHash> mine;
       mine.reserve(end - begin);
       for (size_t k = begin; k < end; ++k) mine.push_back(hashes[all[k]]);
-      absl::StatusOr<pool_node::PoolLease> lease = c->Lookup(mine, kind, 0, /*allow_gaps=*/true);
+      // The node leaves objects of another length out (unleased, not made more recent, so
+      // they age out); the check below is for a node that predates object_length.
+      absl::StatusOr<pool_node::PoolLease> lease = c->Lookup(mine, kind, 0, /*allow_gaps=*/true, length);
       if (!lease.ok()) {
         if (IsNodeFailure(lease.status())) {
           MarkDown(node, lease.status());
@@ -162,20 +164,24 @@ PoolLookup PoolTier::Lookup(std::span<const BlockHash> hashes, StateKind kind, u
       }
       // Objects come back in chain order; match them to our indices by hash.
       const size_t lease_index = lease->lease_id != 0 ? out.leases.size() : SIZE_MAX;
-      size_t j = 0, misfits = 0;
+      size_t j = 0, misfits = lease->other_length;
       for (const pool_node::RemoteObject& obj : lease->objects) {
         while (j < mine.size() && !(mine[j] == obj.key.hash)) ++j;
         if (j == mine.size()) break;
         if (obj.length == length) {
           if (!Quarantined(node, obj.key)) out.found[all[begin + j]] = PoolFound{node, obj, lease_index};
-        } else if (misfits++ == 0 && !nodes_[node].warned_length) {
-          nodes_[node].warned_length = true;  // once per node: it would come with every Lookup
-          spdlog::warn("pool node {}: {} holds {} bytes, not the {} of this model's {}: a miss (is a worker "
-                       "with another model of the same name writing to this pool?)",
-                       nodes_[node].address, obj.key.hash.ToHex(), obj.length, length,
-                       kind == StateKind::kAttnKv ? "blocks" : "states");
+        } else {
+          ++misfits;
         }
         ++j;
+      }
+      if (misfits > 0 && !nodes_[node].warned_length) {
+        nodes_[node].warned_length = true;  // once per node: it would come with every Lookup
+        spdlog::warn("pool node {}: {} of the {} hashes looked up are held with another length than the {} bytes of "
+                     "this model's {}: misses (is a worker with another model of the same name writing to this "
+                     "pool?)",
+                     nodes_[node].address, misfits, mine.size(), length,
+                     kind == StateKind::kAttnKv ? "blocks" : "states");
       }
       if (lease->lease_id != 0) {
         out.leases.push_back(*std::move(lease));

@@ -159,6 +159,9 @@ struct LookupSpec {
   // another Lookup's promotion to wait for): for callers that must not block (a gRPC
   // reactor), which then call again where blocking is fine.
   bool never_block = false;
+  // Bytes the caller can use; 0 = any. An object of another length is a miss: not
+  // promoted, leased or made more recent (LookupAnswer::other_length counts them).
+  uint64_t object_length = 0;
 };
 
 struct LookupAnswer {
@@ -167,6 +170,7 @@ struct LookupAnswer {
   uint64_t lease_id = 0;            // 0 when nothing was found
   int64_t lease_expires_unix_ms = 0;  // on the core's Clock, as Reservation::expires_unix_ms
   int64_t lease_ttl_ms = 0;  // time left when made: the lease's length
+  uint32_t other_length = 0;  // hashes present but of another length than object_length
 };
 
 struct TierStatsSnapshot {

@@ -115,6 +115,7 @@ struct PoolLease {
   std::vector<RemoteObject> objects;  // hits in chain order
   uint64_t lease_id = 0;              // 0: nothing found (nothing to release)
   int64_t expires_unix_ms = 0;        // the node host's wall clock + the lease: for display
+  uint32_t other_length = 0;          // hashes present but of another length than asked (misses)
   // On this process's monotonic clock: the lease's length counted from when the Lookup
   // left, less a margin (the node's clock counts whole milliseconds). Get starts no read
   // at or after it. Unset (a node without lease_ttl_ms): Get compares expires_unix_ms with
@@ -148,9 +149,11 @@ class PoolClient {
 
   // At most kMaxLookupHashes hashes per call (the node's limit; split longer chains).
   static constexpr size_t kMaxLookupHashes = 4096;
+  // object_length: the bytes the caller can use (0: any); objects of another length are
+  // misses the node neither leases nor makes more recent (PoolLease::other_length).
   absl::StatusOr<PoolLease> Lookup(std::span<const BlockHash> chain,
                                    StateKind kind = StateKind::kAttnKv, uint32_t lease_ms = 0,
-                                   bool allow_gaps = false);
+                                   bool allow_gaps = false, uint64_t object_length = 0);
   // Copies lease.objects[i] into local pages dst[i] (enough pages for its length), in
   // transfer batches of up to get_batch_bytes, then checks each object's checksum.
   // FAILED_PRECONDITION when the lease ran out before a batch started (objects of
