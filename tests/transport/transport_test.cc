@@ -679,6 +679,21 @@ class RawAmPeer {
       Put(ep, h, {}, {});
     }
   }
+  // The second (last) message of a put OpenPuts opened with parts = 2: it lands, and its
+  // record goes.
+  void FinishOpenPut(ucp_ep_h ep, uint64_t batch) {
+    AmHeader h{};
+    h.batch_id = batch;
+    h.num_parts = 2;
+    h.part = 1;
+    Put(ep, h, {}, {});
+  }
+  // Expects response i to answer `batch` with `code`.
+  void ExpectResponse(size_t i, uint64_t batch, absl::StatusCode code) const {
+    ASSERT_LT(i, responses_.size());
+    EXPECT_EQ(responses_[i].first.batch_id, batch) << "response " << i;
+    EXPECT_EQ(responses_[i].first.status, static_cast<uint32_t>(code)) << "response " << i << " (batch " << batch << ")";
+  }
   // Message `part` of a put of three (batch `batch`): 64 bytes of `fill` to the start of
   // owner page part + 1.
   void PutOneOfThree(ucp_ep_h ep, uint64_t batch, uint32_t part, uint32_t arena_id, uint64_t page_bytes,
@@ -867,22 +882,42 @@ TEST_P(TransportTest, LaterMessagesOfAPutRefusedAtTheRecordBoundAreDropped) {
     peer.PutOneOfThree(ep, 5000, part, remote_.arena_id, kOwnerPage, std::byte{0x24});
   };
   put_over(0);  // refused: no record left
-  AmHeader done{};  // the first put's second message: it lands, its record goes
-  done.batch_id = 100000;
-  done.num_parts = 2;
-  done.part = 1;
-  peer.Put(ep, done, {}, {});
+  peer.FinishOpenPut(ep, 100000);  // the first put's record goes
   put_over(1);
   put_over(2);
   ASSERT_TRUE(peer.PutMarker(ep, 6000, remote_.arena_id, 3)) << peer.responses_.size();
-  EXPECT_EQ(peer.responses_[0].first.batch_id, 5000u);
-  EXPECT_EQ(peer.responses_[0].first.status, static_cast<uint32_t>(absl::StatusCode::kResourceExhausted));
-  EXPECT_EQ(peer.responses_[1].first.batch_id, 100000u);
-  EXPECT_EQ(peer.responses_[1].first.status, 0u);
-  EXPECT_EQ(peer.responses_[2].first.batch_id, 6000u);
-  EXPECT_EQ(peer.responses_[2].first.status, 0u);
+  peer.ExpectResponse(0, 5000, absl::StatusCode::kResourceExhausted);
+  peer.ExpectResponse(1, 100000, absl::StatusCode::kOk);
+  peer.ExpectResponse(2, 6000, absl::StatusCode::kOk);
   EXPECT_EQ(std::count(owner_bytes, owner_bytes + 4 * kOwnerPage, std::byte{0x24}), 0)
       << "a message of the refused put was written into the arena";
+}
+
+// Tombstones (records of refused puts, kept only to drop their later messages) do not
+// count toward the 2^16 records that admit a put: with 2^16 - 1 puts under way and one
+// tombstone, a new put of three messages lands and is acked. Before, it was refused
+// RESOURCE_EXHAUSTED: tombstones whose later messages never come (an initiator that died)
+// kept puts out for kPendingPutTtl (5 minutes).
+TEST_P(TransportTest, TombstonesDoNotCountTowardTheRecordBound) {
+  if (std::string(GetParam().tls) != "tcp") GTEST_SKIP() << "the raw UCX test peer connects over tcp; this mode's workers have shared memory only";
+  RawAmPeer peer;
+  ucp_ep_h ep = peer.Connect(owner_->address());
+  constexpr int kRecords = 1 << 16;  // WorkerImpl::kMaxPendingPutRecords
+  peer.OpenPuts(ep, kRecords, 100000, 2);  // a record each
+  peer.OpenPuts(ep, 1, 300000, 2);         // refused: a tombstone (its second message never comes)
+  peer.FinishOpenPut(ep, 100000);  // the first put's record goes
+  std::byte* owner_bytes = owner_arena_->base();
+  std::memset(owner_bytes, 0, 4 * kOwnerPage);
+  for (uint32_t part = 0; part < 3; ++part) {
+    peer.PutOneOfThree(ep, 5000, part, remote_.arena_id, kOwnerPage, std::byte{0x24});
+  }
+  ASSERT_TRUE(peer.PutMarker(ep, 6000, remote_.arena_id, 4)) << peer.responses_.size();
+  peer.ExpectResponse(0, 300000, absl::StatusCode::kResourceExhausted);
+  peer.ExpectResponse(1, 100000, absl::StatusCode::kOk);
+  peer.ExpectResponse(2, 5000, absl::StatusCode::kOk);  // before: refused, a tombstone took a live record's place
+  EXPECT_EQ(peer.responses_[2].first.part, 3u);  // the batch's one ack
+  peer.ExpectResponse(3, 6000, absl::StatusCode::kOk);
+  EXPECT_EQ(std::count(owner_bytes + kOwnerPage, owner_bytes + 4 * kOwnerPage, std::byte{0x24}), 3 * 64);
 }
 
 // A message that repeats a part of its batch is refused before its bytes move: the

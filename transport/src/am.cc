@@ -216,7 +216,8 @@ void WorkerImpl::PutPartDone(ucp_ep_h reply_ep, const AmHeader& h, const absl::S
   auto [it, fresh] = pending_puts_.try_emplace(std::make_pair(reply_ep, h.batch_id));
   PendingPut& pp = it->second;
   pp.last = MonotonicNow();
-  if (fresh && pending_puts_.size() > kMaxPendingPutRecords) {
+  // (size() counts this fresh record, which is no tombstone: the live records with it.)
+  if (fresh && pending_puts_.size() - pending_put_tombstones_ > kMaxPendingPutRecords) {
     // Records are bounded too: refuse. The refused batch keeps a tombstone (no bits)
     // past the bound, up to kMaxPendingPutTombstones more: its later messages must find
     // it, or one arriving after other puts landed and made room would be written into
@@ -229,13 +230,14 @@ void WorkerImpl::PutPartDone(ucp_ep_h reply_ep, const AmHeader& h, const absl::S
                                                                " puts under way (at most); retry once they landed")),
                      {}, {});
     }
-    if (pending_puts_.size() > kMaxPendingPutRecords + kMaxPendingPutTombstones || h.num_parts <= 1) {
+    if (pending_put_tombstones_ >= kMaxPendingPutTombstones || h.num_parts <= 1) {
       pending_puts_.erase(it);
       return;
     }
     pp.parts = h.num_parts;
     pp.refused = true;
     pp.landed = 1;  // this message, dropped
+    ++pending_put_tombstones_;
     return;
   }
   if (fresh) {
@@ -253,13 +255,21 @@ void WorkerImpl::PutPartDone(ucp_ep_h reply_ep, const AmHeader& h, const absl::S
                            kMaxPendingPutParts, "); retry once they landed")),
                        {}, {});
       }
+      if (pending_put_tombstones_ >= kMaxPendingPutTombstones) {  // refused without a record
+        pending_puts_.erase(it);
+        return;
+      }
+      ++pending_put_tombstones_;
     } else {
       pp.seen.assign(h.num_parts, false);
       pending_put_parts_ += h.num_parts;
     }
   }
   if (pp.seen.empty()) {  // a tombstone: count the message, drop it
-    if (++pp.landed >= pp.parts) pending_puts_.erase(it);
+    if (++pp.landed >= pp.parts) {
+      pending_puts_.erase(it);
+      --pending_put_tombstones_;
+    }
     return;
   }
   absl::Status st = status;
@@ -291,6 +301,7 @@ void WorkerImpl::SweepPendingPuts() {
   absl::erase_if(pending_puts_, [&](const auto& e) {
     if (now - e.second.last <= kPendingPutTtl) return false;
     pending_put_parts_ -= e.second.seen.size();
+    pending_put_tombstones_ -= e.second.seen.empty();
     return true;
   });
 }
@@ -383,8 +394,9 @@ ucs_status_t WorkerImpl::OnAm(unsigned id, const void* header, size_t header_len
     // refuse for want of room to track it (PutPartDone): the message is received and
     // dropped, not written into the arena.
     auto it = pending_puts_.find(std::make_pair(reply_ep, h.batch_id));
-    const bool untrackable = it == pending_puts_.end() && (pending_put_parts_ + h.num_parts > kMaxPendingPutParts ||
-                                                           pending_puts_.size() >= kMaxPendingPutRecords);
+    const bool untrackable =
+        it == pending_puts_.end() && (pending_put_parts_ + h.num_parts > kMaxPendingPutParts ||
+                                      pending_puts_.size() - pending_put_tombstones_ >= kMaxPendingPutRecords);
     if (untrackable || (it != pending_puts_.end() && it->second.refused)) {
       PutPartDone(reply_ep, h, absl::OkStatus());
       return rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
