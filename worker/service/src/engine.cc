@@ -225,10 +225,14 @@ void Engine::Loop() {
       if (stop_) break;
       incoming.swap(queue_);
     }
+    const bool arrived = !incoming.empty();
+    const size_t backlog_before = backlog_.size(), running_before = running_.size();
     TakeIncoming(std::move(incoming));
     DropCancelled();
     AdmitBacklog();
-    UpdateLoad();  // before a step that may run long: the heartbeat sees what came in
+    // Before a step that may run long: the heartbeat sees what came in. When nothing came,
+    // left or moved, the load the last iteration set after its step still holds.
+    if (arrived || backlog_.size() != backlog_before || running_.size() != running_before) UpdateLoad();
     if (runner_ != nullptr && runner_->NumUnfinished() > 0) StepOnce();
     if (cfg_.offload == OffloadMode::kWriteThrough) OffloadWriteThrough();
     if (cfg_.offload == OffloadMode::kWriteBack) ResolvePages();
