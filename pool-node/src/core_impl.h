@@ -100,11 +100,11 @@ struct EvictionPlan {
   // Objects whose drop from the plan's tier would erase them while a child has a copy in
   // the other tier (Impl::Strands: a DRAM-only parent of an NVMe chain, an NVMe-only
   // parent of a DRAM chain), putting that chain out of reach of prefix Lookups until the
-  // parent is put again (demotion moves chains out whole instead), are passed over and kept here, least
-  // recently used first, up to kMaxSpared per plan; they are taken only once nothing
-  // else is left. Past that bound (a DRAM of many split chains) they are taken in LRU
-  // order like any leaf, so a plan never walks more than kMaxSpared extra leaves.
-  bool spare_strands = false;
+  // parent is put again (demotion moves chains out whole instead), are passed over and
+  // kept here, least recently used first, up to kMaxSpared per plan; they are taken only
+  // once nothing else is left. Past that bound (a tier of many split chains) they are
+  // taken in LRU order like any leaf, so a plan never walks more than kMaxSpared extra
+  // leaves.
   std::vector<std::pair<uint64_t, ObjectKey>> spared;
   absl::flat_hash_set<ObjectKey> spared_keys;  // those in `spared` (a plan walks its leaves once per PlanVictims call)
   static constexpr size_t kMaxSpared = 256;

@@ -270,7 +270,6 @@ bool PoolCore::Impl::Evict(int t, uint64_t free_pages) {
   if (t == static_cast<int>(Tier::kNvme) && !nvme_quarantine_.empty()) return false;
   EvictionPlan plan;
   plan.tier = t;
-  plan.spare_strands = true;
   return PlanVictims(plan, std::nullopt, free_pages - alloc_[t]->free_pages()) && DropVictims(plan);
 }
 
@@ -302,11 +301,9 @@ PoolCore::Impl::RoomPlan PoolCore::Impl::PlanDramRoom(EvictionPlan& plan, const 
 
 bool PoolCore::Impl::PlanVictims(EvictionPlan& plan, std::optional<StateKind> kind, uint64_t pages) {
   const int t = plan.tier;
-  const bool spare = plan.spare_strands;
   auto eligible = [&](const ObjectKey& k) { return (!kind || k.kind == *kind) && !plan.chosen.contains(k); };
   // Passes over a strand while the plan may spare more (EvictionPlan::spared).
   auto spared = [&](uint64_t tick, const ObjectKey& k) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (!spare) return false;
     if (plan.spared_keys.contains(k)) return true;  // spared by an earlier call on this plan
     if (plan.spared.size() >= EvictionPlan::kMaxSpared || !Strands(*Find(k), t)) return false;
     plan.spared.emplace_back(tick, k);

@@ -251,10 +251,9 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
   // pages (leased, pinned, in flight) stay whatever is evicted; reserved pages too.
   // Every victim is chosen before any is dropped: first what each kind's quota needs,
   // then what the tier still needs beyond the room those make. DRAM-only parents of
-  // NVMe chains go last (EvictionPlan::spare_strands).
+  // NVMe chains go last (EvictionPlan::spared).
   EvictionPlan plan;
   plan.tier = kD;
-  plan.spare_strands = true;
   const uint64_t dram_free = im.alloc_[kD]->free_pages();
   const Impl::RoomPlan room = im.PlanDramRoom(plan, need_kind, need);
   if (room.shortfall != Impl::RoomShort::kNone) {
@@ -271,7 +270,8 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
     switch (room.shortfall) {
       case Impl::RoomShort::kQuota:
         return absl::ResourceExhaustedError(absl::StrCat(
-            quota_text(), " after evicting every unleased object of that kind; retry later or raise the quota"));
+            quota_text(), " after evicting every unleased object of that kind (leased ones, and those being "
+            "reserved or promoted from NVMe, hold the rest); retry later or raise the quota"));
       case Impl::RoomShort::kQuotaHeld:
         return absl::ResourceExhaustedError(absl::StrCat(
             quota_text(), ": leased objects (or the chains above them) hold the rest; nothing was evicted; "
@@ -527,8 +527,7 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
         need_kind[KindIndex(key.kind)] = n;
         EvictionPlan plan;
         plan.tier = kD;
-        plan.spare_strands = true;
-        if (im.PlanDramRoom(plan, need_kind, n).shortfall == Impl::RoomShort::kNone && im.DropVictims(plan)) {
+              if (im.PlanDramRoom(plan, need_kind, n).shortfall == Impl::RoomShort::kNone && im.DropVictims(plan)) {
           pages = im.alloc_[kD]->Allocate(static_cast<uint32_t>(n));
         }
         o = im.Find(key);  // eviction never takes NVMe-only objects' only copy, but re-find
@@ -768,6 +767,16 @@ absl::Status PoolCore::CheckIndex() const {
                                                 " but the leaf set says otherwise"));
       }
       leaves[t] += leaf;
+    }
+  }
+  uint64_t promoting[kNumKinds] = {};
+  for (const auto& [key, o] : im.objects_) {
+    if (o->promotion != nullptr) promoting[KindIndex(key.kind)] += o->pages[kN].size();
+  }
+  for (int k = 0; k < kNumKinds; ++k) {
+    if (promoting[k] != im.promoting_by_kind_[k]) {
+      return absl::InternalError(absl::StrCat("promotions under way of kind ", k, " hold ", promoting[k],
+                                              " DRAM pages; promoting_by_kind_ says ", im.promoting_by_kind_[k]));
     }
   }
   for (int t = 0; t < kNumTiers; ++t) {

@@ -230,7 +230,7 @@ void WorkerImpl::PutPartDone(ucp_ep_h reply_ep, const AmHeader& h, const absl::S
                                                                " puts under way (at most); retry once they landed")),
                      {}, {});
     }
-    if (pending_put_tombstones_ >= kMaxPendingPutTombstones || h.num_parts <= 1) {
+    if (pending_puts_.size() > kMaxPendingPutRecords + kMaxPendingPutTombstones || h.num_parts <= 1) {
       pending_puts_.erase(it);
       return;
     }
@@ -255,7 +255,7 @@ void WorkerImpl::PutPartDone(ucp_ep_h reply_ep, const AmHeader& h, const absl::S
                            kMaxPendingPutParts, "); retry once they landed")),
                        {}, {});
       }
-      if (pending_put_tombstones_ >= kMaxPendingPutTombstones) {  // refused without a record
+      if (pending_puts_.size() > kMaxPendingPutRecords + kMaxPendingPutTombstones) {  // refused without a record
         pending_puts_.erase(it);
         return;
       }

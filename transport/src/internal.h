@@ -453,10 +453,11 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   // bits; a put past it is refused RESOURCE_EXHAUSTED).
   uint64_t pending_put_parts_ = 0;
   static constexpr uint64_t kMaxPendingPutParts = uint64_t{1} << 24;
-  // Live records at most (~100 bytes each), and tombstones (the records without bits of
-  // refused batches, whichever bound refused them) at most. Tombstones do not count
-  // toward the first bound: those of puts whose later messages never come (an initiator
-  // that died or gave up) would keep new puts out for kPendingPutTtl.
+  // Live records at most (~100 bytes each), and how many more records tombstones (the
+  // records without bits of refused batches, whichever bound refused them) may add.
+  // Tombstones do not count toward the first bound: those of puts whose later messages
+  // never come (an initiator that died or gave up) would keep new puts out for
+  // kPendingPutTtl. Past both together, a refused batch keeps no record.
   static constexpr size_t kMaxPendingPutRecords = size_t{1} << 16;
   static constexpr size_t kMaxPendingPutTombstones = size_t{1} << 16;
   size_t pending_put_tombstones_ = 0;  // of pending_puts_, those whose `seen` is empty

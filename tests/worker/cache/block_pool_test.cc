@@ -185,6 +185,38 @@ TEST(BlockPoolTest, EvictCachedDropsOnlyFreeCopies) {
             absl::StatusCode::kNotFound);
 }
 
+// EvictCachedBlock drops one copy, whichever it is in the hash's duplicate chain; the
+// other copies keep the hash cached (no `removed` event until the last one goes).
+TEST(BlockPoolTest, EvictCachedBlockDropsOneCopy) {
+  RecordingEventSink sink;
+  BlockPool pool({.num_blocks = 5, .event_sink = &sink});
+  const BlockId a = pool.GetNewBlock(), b = pool.GetNewBlock(), c = pool.GetNewBlock();
+  for (BlockId id : {a, b, c}) {
+    pool.CacheFullBlocks(std::vector<BlockId>{id}, std::vector<BlockHash>{H(3)}, std::nullopt);
+  }
+  EXPECT_EQ(pool.EvictCachedBlock(b).code(), absl::StatusCode::kFailedPrecondition);  // in use
+  pool.FreeBlock(b);
+  pool.FreeBlock(c);
+  ASSERT_TRUE(pool.EvictCachedBlock(b).ok());  // the middle of the chain
+  EXPECT_FALSE(pool.block(b).is_cached);
+  EXPECT_TRUE(pool.block(a).is_cached);
+  EXPECT_TRUE(pool.block(c).is_cached);
+  EXPECT_EQ(pool.FreeQueueOrder().front(), b);
+  ASSERT_TRUE(pool.EvictCachedBlock(c).ok());
+  EXPECT_EQ(pool.GetCachedBlock(H(3)), a);
+  EXPECT_EQ(pool.EvictCachedBlock(c).code(), absl::StatusCode::kNotFound);  // not cached any more
+  EXPECT_EQ(pool.EvictCachedBlock(0).code(), absl::StatusCode::kNotFound);  // the null block
+  EXPECT_EQ(pool.EvictCachedBlock(99).code(), absl::StatusCode::kNotFound);
+  size_t removed = 0;
+  for (const auto& e : sink.events()) removed += e.type == KvEvent::Type::kRemoved;
+  EXPECT_EQ(removed, 0u);  // a is still cached under H(3)
+  pool.FreeBlock(a);
+  ASSERT_TRUE(pool.EvictCachedBlock(a).ok());
+  EXPECT_EQ(pool.GetCachedBlock(H(3)), kNoBlock);
+  ASSERT_FALSE(sink.events().empty());
+  EXPECT_EQ(sink.events().back().type, KvEvent::Type::kRemoved);
+}
+
 TEST(BlockPoolTest, ResetRefusesWhileInUse) {
   RecordingEventSink sink;
   BlockPool pool({.num_blocks = 3, .event_sink = &sink});

@@ -1,6 +1,7 @@
 #include "pool_tier.h"
 
 #include <algorithm>
+#include <chrono>
 
 #include "absl/strings/str_cat.h"
 #include "kvpool/common/clock.h"
@@ -222,7 +223,10 @@ absl::Status PoolTier::Get(const PoolLookup& lookup, std::span<const size_t> whi
     absl::Status s = c->Get(part, part_dst, &mismatched);
     if (!s.ok()) {
       if (IsNodeFailure(s)) MarkDown(node, s);
-      if (!mismatched.empty()) {
+      // Only while the lease held: after it, the node may have reused the pages (the
+      // objects themselves may be intact, e.g. demoted to NVMe).
+      const bool lease_held = !part.usable_until || std::chrono::steady_clock::now() < *part.usable_until;
+      if (!mismatched.empty() && lease_held) {
         mismatched_objects_ += mismatched.size();
         const absl::Time until = MonotonicNow() + opts_.mismatch_quarantine;
         if (quarantined_.size() + mismatched.size() > kMaxQuarantined) {

@@ -52,9 +52,9 @@ struct PoolTierOptions {
   // and the node is marked down): the engine, which waits for its step's transfers,
   // stalls this long at most on a hung node, not the transport's default of 30 s.
   absl::Duration transfer_timeout = absl::Seconds(10);
-  // An object whose bytes did not match its checksum on a Get is a miss on its node for
-  // this long: it would otherwise be found, fetched and thrown away on every request.
-  // (A mismatch may also be a lease that ran out mid-transfer, hence not for good.)
+  // An object whose bytes did not match its checksum on a Get, while its lease held, is a
+  // miss on its node for this long: it would otherwise be found, fetched and thrown away
+  // on every request. (Not for good: a replaced node copy would be hidden too.)
   absl::Duration mismatch_quarantine = absl::Seconds(60);
 };
 
@@ -97,7 +97,8 @@ class PoolTier {
   PoolLookup Lookup(std::span<const BlockHash> hashes, StateKind kind, uint64_t length);
   // Copies found[i] (i in `which`) into dst[k] pages of the arena. An error means
   // nothing usable landed (the caller drops the import and recomputes). An object that
-  // arrived with other bytes than its checksum is quarantined (mismatch_quarantine).
+  // arrived with other bytes than its checksum while its lease held is quarantined
+  // (mismatch_quarantine).
   absl::Status Get(const PoolLookup& lookup, std::span<const size_t> which,
                    std::span<const std::vector<uint64_t>> dst);
   void Release(PoolLookup& lookup);

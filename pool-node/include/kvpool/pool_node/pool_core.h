@@ -170,7 +170,9 @@ struct LookupAnswer {
   uint64_t lease_id = 0;            // 0 when nothing was found
   int64_t lease_expires_unix_ms = 0;  // on the core's Clock, as Reservation::expires_unix_ms
   int64_t lease_ttl_ms = 0;  // time left when made: the lease's length
-  uint32_t other_length = 0;  // hashes present but of another length than object_length
+  // Hashes present but of another length than object_length (up to the first miss; all
+  // of them with allow_gaps).
+  uint32_t other_length = 0;
 };
 
 struct TierStatsSnapshot {
