@@ -151,7 +151,7 @@ void WorkerImpl::SendOwnerReply(ucp_ep_h reply_ep, unsigned id, uint64_t batch_i
     payload = op->iov.data();
     count = op->iov.size();
   }
-  ++owner_inflight_;
+  OwnerInflight(+1);
   ucs_status_ptr_t r = ucp_am_send_nbx(reply_ep, id, &op->header, sizeof(op->header), payload,
                                        count, &p);
   if (r == nullptr || UCS_PTR_IS_ERR(r)) {
@@ -162,7 +162,7 @@ void WorkerImpl::SendOwnerReply(ucp_ep_h reply_ep, unsigned id, uint64_t batch_i
 }
 
 void WorkerImpl::OwnerOpDone(bool ok) {
-  --owner_inflight_;
+  OwnerInflight(-1);
   absl::MutexLock l(&mu_);
   ++(ok ? stats_.am_requests_served : stats_.am_requests_refused);
 }
@@ -199,7 +199,7 @@ void WorkerImpl::OwnerPutReceived(OwnerOp* op, ucs_status_t status) {
     OwnerOpDone(false);
     return;
   }
-  --owner_inflight_;  // the receive; the ack counts on its own
+  OwnerInflight(-1);  // the receive; the ack counts on its own
   if (op->header.num_parts > 1) {
     PutPartDone(op->reply_ep, op->header, FromUcs(status, "owner receiving the put"));
     return;
@@ -431,7 +431,7 @@ ucs_status_t WorkerImpl::OnAm(unsigned id, const void* header, size_t header_len
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   p.cb.recv_am = &OwnerRecvCb;
   p.user_data = op;
-  ++owner_inflight_;
+  OwnerInflight(+1);
   ucs_status_ptr_t r;
   if (op->iov.size() == 1) {  // contiguous: zero-copy rendezvous where UCX has one
     r = ucp_am_recv_data_nbx(worker_, data, op->iov[0].buffer, op->iov[0].length, &p);

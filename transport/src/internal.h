@@ -433,6 +433,19 @@ class WorkerImpl : public std::enable_shared_from_this<WorkerImpl> {
   bool ClosingUnderWay() const;
   std::vector<std::shared_ptr<EndpointImpl>> to_close_;
   int owner_inflight_ = 0;  // owner-side AM receives/sends not yet complete
+  // When one of them last started or ended. They count as work (the progress thread's
+  // polling, the shutdown drain) for batch_timeout after that only: UCX neither ends nor
+  // fails an op to a dead same-host initiator reached without peer failure handling
+  // (shared memory without cma: error mode NONE), which kept the progress thread in 1 ms
+  // rounds for good and every shutdown waiting 2 s. Its OwnerOp stays until UCX lets go.
+  absl::Time owner_last_event_ = absl::InfinitePast();
+  void OwnerInflight(int delta) {
+    owner_inflight_ += delta;
+    owner_last_event_ = MonotonicNow();
+  }
+  bool OwnerOpsUnderWay() const {
+    return owner_inflight_ > 0 && MonotonicNow() - owner_last_event_ <= options_.batch_timeout;
+  }
   // Owner side: puts answered once whose messages have not all landed, by (the
   // initiator's reply endpoint, its batch id). Batch ids start at a random value per
   // worker, so another initiator that gets a dead one's endpoint address does not meet

@@ -556,7 +556,7 @@ void WorkerImpl::Loop() {
     if (!batches_.empty()) CheckDeadlines();
     if (!retired_.empty()) SweepRkeys();
     if (!pending_puts_.empty()) SweepPendingPuts();
-    inflight = batches_.size() > delivered_in_table_ || owner_inflight_ > 0;
+    inflight = batches_.size() > delivered_in_table_ || OwnerOpsUnderWay();
     busy = inflight || ClosingUnderWay();
     was_inflight = busy;
     ready.swap(ready_);
@@ -631,7 +631,7 @@ void WorkerImpl::Loop() {
     }
     ReapClosedEndpoints();
     const absl::Time end = MonotonicNow() + absl::Seconds(2);
-    while ((!closing_reqs_.empty() || owner_inflight_ > 0 || !batches_.empty()) &&
+    while ((!closing_reqs_.empty() || OwnerOpsUnderWay() || !batches_.empty()) &&
            MonotonicNow() < end) {
       ucp_worker_progress(worker_);
       ReapClosedEndpoints();
