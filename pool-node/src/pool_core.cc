@@ -199,6 +199,17 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
       return absl::InvalidArgumentError(absl::StrCat("entries[", i, "].length=", e.length,
                                                      " must be 1..2^32 bytes"));
     }
+    // One that no eviction could ever fit: said so, naming the entry (not "retry later").
+    const uint64_t pages = (e.length + page_bytes_ - 1) / page_bytes_;
+    const uint64_t quota = options_.dram_quota_bytes[KindIndex(e.kind)] / page_bytes_;
+    if (pages > dram_pages_ || (quota != 0 && pages > quota)) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "entries[", i, "].length=", e.length, " needs ", pages, " pages of ", page_bytes_, " bytes, but this node's ",
+          pages > dram_pages_ ? absl::StrCat("DRAM tier has ", dram_pages_)
+                              : absl::StrCat("DRAM quota for ", StateKindName(e.kind), " is ", quota),
+          " pages: it can never fit here, and nothing was evicted; store it on a node with more room, or in "
+          "smaller objects"));
+    }
     if (e.parent && *e.parent == e.hash) {
       // A self-parent would make the object its own child: never a leaf, so never
       // evicted or demoted.

@@ -742,5 +742,26 @@ TEST_F(PoolCoreTest, LookupTreatsAnObjectOfAnotherLengthAsAMiss) {
   ASSERT_TRUE(core->Release(any->lease_id).ok());
 }
 
+// A Reserve entry that no eviction could ever fit (larger than the DRAM tier, or than its
+// kind's quota) is refused naming the entry and saying it can never fit (before: "retry
+// later", naming no entry), and nothing stored is touched.
+TEST_F(PoolCoreTest, AnEntryLargerThanTheTierOrItsQuotaIsNamed) {
+  auto core = Make(8, {.dram_quota_bytes = {0, 2 * kPage}});
+  PutChain(*core, 1, 2, kPage);
+  const ReserveEntrySpec too_big[] = {{H(5), std::nullopt, StateKind::kAttnKv, kPage},
+                                      {H(6), std::nullopt, StateKind::kAttnKv, 9 * kPage}};
+  auto r = core->Reserve(too_big);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  EXPECT_THAT(std::string(r.status().message()), ::testing::HasSubstr("entries[1].length=36864"));
+  EXPECT_THAT(std::string(r.status().message()), ::testing::HasSubstr("can never fit"));
+  const ReserveEntrySpec over_quota{H(7), std::nullopt, StateKind::kLinearState, 3 * kPage};
+  auto q = core->Reserve({&over_quota, 1});
+  EXPECT_EQ(q.status().code(), absl::StatusCode::kResourceExhausted) << q.status();
+  EXPECT_THAT(std::string(q.status().message()), ::testing::HasSubstr("quota for linear_state is 2 pages"));
+  EXPECT_TRUE(core->Inspect({H(1), StateKind::kAttnKv}).has_value());
+  EXPECT_TRUE(core->Inspect({H(2), StateKind::kAttnKv}).has_value());
+  EXPECT_EQ(core->Stats().tiers[0].used_bytes, 2 * kPage);
+}
+
 }  // namespace
 }  // namespace kvpool::pool_node

@@ -188,7 +188,10 @@ bool EventPublisher::RegisterAndDump() {
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + opts_.rpc_timeout));
     v1::RegisterResponse resp;
-    grpc::Status s = stub_->Register(&ctx, opts_.registration, &resp);
+    // A publisher publishes: the router refuses events of a source registered without it.
+    v1::RegisterRequest reg = opts_.registration;
+    reg.set_publishes_events(true);
+    grpc::Status s = stub_->Register(&ctx, reg, &resp);
     if (!s.ok()) {
       spdlog::warn("router {}: Register of {} failed: {} (retrying)", opts_.router_address,
                    opts_.registration.source_id(), s.error_message());

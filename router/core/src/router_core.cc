@@ -223,7 +223,14 @@ absl::StatusOr<RouterCore::Registration> RouterCore::FindRegistration(absl::stri
                                             "\" is not registered; call Register first"));
   }
   const Source& s = sources_[it->second];
-  return Registration{s.registration, s.info.kind};
+  return Registration{s.registration, s.info.kind, s.info.publishes_events};
+}
+
+absl::Status RouterCore::CheckPublishes(absl::string_view source_id, const Registration& reg) {
+  if (reg.publishes_events) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "source_id=\"", Clipped(source_id), "\" registered with publishes_events=false (the router predicts its ",
+      "blocks from its routes); register with publishes_events=true to publish events"));
 }
 
 absl::Status RouterCore::ValidateEvents(absl::string_view source_id, SourceKind kind,
@@ -236,6 +243,7 @@ absl::Status RouterCore::ValidateEvents(absl::string_view source_id, SourceKind 
 
 absl::Status RouterCore::ValidateBatch(absl::string_view source_id, const EventBatch& batch) const {
   ASSIGN_OR_RETURN(const Registration reg, FindRegistration(source_id));
+  RETURN_IF_ERROR(CheckPublishes(source_id, reg));
   return ValidateEvents(source_id, reg.kind, batch.events);
 }
 

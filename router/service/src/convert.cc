@@ -97,6 +97,11 @@ absl::StatusOr<SourceInfo> SourceFromProto(const v1::RegisterRequest& req) {
 
 absl::StatusOr<EventBatch> BatchFromProto(const v1::EventBatch& in, std::string* source_id) {
   if (in.source_id().empty()) return Invalid("source_id", "empty; set the id the source registered with");
+  if (!ValidSourceId(in.source_id())) {  // Register refuses such ids: none is registered
+    return Invalid("source_id", absl::StrCat("\"", in.source_id().substr(0, 64),
+                                             "\" is not 1..128 bytes of [A-Za-z0-9._:-]; set the id the source "
+                                             "registered with"));
+  }
   *source_id = in.source_id();
   if (static_cast<size_t>(in.events_size()) > kMaxBatchEvents) {
     return Invalid("events", absl::StrCat(in.events_size(), " events; send at most ", kMaxBatchEvents, " per batch"));

@@ -187,6 +187,7 @@ absl::StatusOr<RouterCore::Registration> RouterHost::CheckRegistration(const Wor
                                            "began; its events are dropped: publish on a stream opened after the ",
                                            "latest Register, starting with a full dump"));
   }
+  RETURN_IF_ERROR(RouterCore::CheckPublishes(w.source_id, reg));
   return reg;
 }
 

@@ -364,6 +364,21 @@ TEST_F(RouterCoreTest, ApproximateModePredictsFromDecisionsUntilTtl) {
 // Routing one prompt again and again refreshes its predictions: the expiry queue is
 // rebuilt rather than grow by the prompt's length per decision until the TTL; a worker
 // that gave no capacity gets the index's bound on its predictions.
+// A source registered with publishes_events=false (its blocks are predicted from its
+// routes) may not publish: its events would add to and remove from the predictions.
+// Before, they were applied.
+TEST_F(RouterCoreTest, ApproximateModeSourceMayNotPublish) {
+  MakeDefault(PolicyKind::kCacheAware);
+  Worker("a0", "llama-3.3-70b", /*events=*/false);
+  auto h = Hash(Tokens(16 * 3, 9));
+  EventBatch b;
+  b.events.push_back(KvEvent::Stored(1, {}, h));
+  auto r = core_->ApplyEvents("a0", b, kT0);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_NE(std::string(r.status().message()).find("publishes_events=false"), std::string::npos) << r.status();
+  EXPECT_EQ(Route(h).gpu_hit_blocks, 0u);
+}
+
 TEST_F(RouterCoreTest, ApproximateModeRepeatsDoNotGrowItsQueue) {
   RouterOptions o;
   o.models = {"llama-3.3-70b"};

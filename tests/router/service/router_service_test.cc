@@ -187,6 +187,20 @@ TEST_F(RouterServiceTest, PublisherSplitsEventsLongerThanTheRoutersLimit) {
   EXPECT_EQ(pub.registrations(), 1u);
 }
 
+// A batch's source_id is checked as Register checks it: an id no source could have
+// registered is named as such (before, only an empty one was; a multi-megabyte id came
+// back whole in the error of a later batch, too large to send).
+TEST_F(RouterServiceTest, PublishedBatchWithAnImpossibleSourceIdIsRefused) {
+  RegisterWorker("w0");
+  const auto hashes = hasher_->HashPrefix(Tokens(16 * 2, 1));
+  auto pub = client_->PublishEvents({Stored(std::string(300, 'x'), 1, hashes, 1)});
+  EXPECT_EQ(pub.status().code(), absl::StatusCode::kInvalidArgument) << pub.status();
+  EXPECT_NE(pub.status().message().find("source_id"), absl::string_view::npos) << pub.status();
+  EXPECT_LT(pub.status().message().size(), 400u);
+  pub = client_->PublishEvents({Stored("w 0", 1, hashes, 1)});
+  EXPECT_EQ(pub.status().code(), absl::StatusCode::kInvalidArgument) << pub.status();
+}
+
 TEST_F(RouterServiceTest, RoutesToTheInstanceThatPublishedThePrefix) {
   RegisterWorker("w0");
   RegisterWorker("w1");

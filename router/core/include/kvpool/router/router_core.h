@@ -188,9 +188,13 @@ class RouterCore {
   struct Registration {
     uint64_t id = 0;  // > 0
     SourceKind kind = SourceKind::kWorker;
+    bool publishes_events = true;
   };
   // The current registration of `source_id`; NOT_FOUND when it is not registered.
   absl::StatusOr<Registration> FindRegistration(absl::string_view source_id) const;
+  // FAILED_PRECONDITION for a source registered with publishes_events=false (approximate
+  // mode): the router predicts its blocks, and its events would mix with the predictions.
+  static absl::Status CheckPublishes(absl::string_view source_id, const Registration& reg);
   // Drops a source with its entries. NOT_FOUND when unknown.
   absl::Status Deregister(absl::string_view id);
   // Validates the whole batch (nothing applies when one event is bad), then applies it.
