@@ -81,9 +81,11 @@ BlockingPool::~BlockingPool() {
   for (std::thread& t : threads_) t.join();
 }
 
-void BlockingPool::Run(std::function<void()> fn) {
+bool BlockingPool::TryRun(std::function<void()> fn, size_t max_queued) {
   absl::MutexLock l(&mu_);
+  if (queue_.size() >= max_queued) return false;
   queue_.push_back(std::move(fn));
+  return true;
 }
 
 PoolNodeService::PoolNodeService(PoolCore* core, ConnectInfo info, MetricsRegistry* metrics)
@@ -226,7 +228,10 @@ grpc::ServerUnaryReactor* PoolNodeService::Lookup(grpc::CallbackServerContext* c
   if (absl::IsUnavailable(ans.status())) {  // needs NVMe reads: not on this thread
     grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
     spec.never_block = false;
-    blocking_->Run([this, ctx, r, resp, start, spec = std::move(spec)] {
+    // Bounded: each waiting Lookup holds its reactor and up to 4096 hashes, and a flood
+    // of them would only wait longer and longer.
+    constexpr size_t kMaxQueuedNvmeLookups = 1024;
+    const bool queued = blocking_->TryRun([this, ctx, r, resp, start, spec = std::move(spec)] {
       // Queued behind other NVMe Lookups, the caller may have gone (its deadline passed):
       // then no promotion, and no lease pinning objects for an answer nobody reads.
       if (ctx->IsCancelled()) {
@@ -240,7 +245,12 @@ grpc::ServerUnaryReactor* PoolNodeService::Lookup(grpc::CallbackServerContext* c
         return;
       }
       r->Finish(FinishLookup(std::move(answer), resp, start));
-    });
+    }, kMaxQueuedNvmeLookups);
+    if (!queued) {
+      r->Finish(Done(kLookup, absl::ResourceExhaustedError(absl::StrCat(
+                                  kMaxQueuedNvmeLookups, " Lookups that need NVMe reads are waiting already (at most ",
+                                  kMaxQueuedNvmeLookups, "); retry later"))));
+    }
     return r;
   }
   return Answer(ctx, FinishLookup(std::move(ans), resp, start));

@@ -46,7 +46,8 @@ class BlockingPool {
  public:
   explicit BlockingPool(int threads);
   ~BlockingPool();  // runs what is queued, then joins
-  void Run(std::function<void()> fn);
+  // Queues fn unless max_queued functions are waiting already: false then, fn dropped.
+  bool TryRun(std::function<void()> fn, size_t max_queued);
 
  private:
   bool HasWorkOrStop() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !queue_.empty(); }

@@ -4,17 +4,20 @@
 #include <grpcpp/grpcpp.h>
 #include <httplib.h>
 
+#include <atomic>
 #include <chrono>
 #include <future>
 #include <thread>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "absl/synchronization/notification.h"
 #include "kvpool/pool_node/client.h"
 #include "kvpool/pool_node/node_server.h"
 #include "kvpool/transport/transport.h"
 #include "kvpool/v1/pool.grpc.pb.h"
 #include "kvpool/v1/router.grpc.pb.h"
+#include "pool_service.h"
 #include "test_util.h"
 
 namespace kvpool::pool_node {
@@ -1080,6 +1083,30 @@ TEST(LeaseTime, CountedOnTheClientsClockWhateverTheNodesSays) {
   EXPECT_LT(lease->expires_unix_ms, wall_ms + 600'000);
   std::this_thread::sleep_for(std::chrono::milliseconds(2));
   EXPECT_EQ((*client)->Get(*lease, dst).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// The pool that runs NVMe-bound Lookups queues a bounded number: past it a call is
+// refused (the service answers RESOURCE_EXHAUSTED), and every queued one still runs.
+TEST(BlockingPoolTest, QueuesAtMostMaxQueued) {
+  absl::Notification release;
+  std::atomic<int> ran{0};
+  {
+    BlockingPool pool(1);
+    absl::Notification started;
+    ASSERT_TRUE(pool.TryRun(
+        [&] {
+          started.Notify();
+          release.WaitForNotification();
+          ++ran;
+        },
+        2));
+    started.WaitForNotification();  // the one thread is busy: later ones queue
+    EXPECT_TRUE(pool.TryRun([&] { ++ran; }, 2));
+    EXPECT_TRUE(pool.TryRun([&] { ++ran; }, 2));
+    EXPECT_FALSE(pool.TryRun([&] { ++ran; }, 2));
+    release.Notify();
+  }  // the destructor runs what is queued, then joins
+  EXPECT_EQ(ran.load(), 3);
 }
 
 }  // namespace
