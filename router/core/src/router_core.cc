@@ -340,8 +340,11 @@ void RouterCore::PredictBlocks(SourceSlot slot, std::span<const BlockHash> hashe
               [](const auto& a, const auto& b) { return a.first < b.first; });  // stamps are unique
   }
   // Capacity: drop the predictions that would expire first (the least recently routed).
-  // A worker that did not say how many blocks it holds gets the index's own bound.
-  const uint64_t cap = s.info.capacity_blocks != 0 ? s.info.capacity_blocks : options_.max_index_entries;
+  // A worker that did not say how many blocks it holds gets the index's own bound, and
+  // so does one that says more (capacity_blocks is the worker's word: 2^64 - 1 let its
+  // predictions grow without bound).
+  const uint64_t cap = s.info.capacity_blocks != 0 ? std::min(s.info.capacity_blocks, options_.max_index_entries)
+                                                   : options_.max_index_entries;
   while (cap > 0 && s.approx.size() > cap && !s.approx_order.empty()) {
     const auto [t, h] = s.approx_order.front();
     s.approx_order.pop_front();

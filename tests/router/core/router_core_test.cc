@@ -402,6 +402,24 @@ TEST_F(RouterCoreTest, ApproximateModeRepeatsDoNotGrowItsQueue) {
   EXPECT_LE(core_->ApproxSizes("a0").first, 64u);
 }
 
+// A worker's capacity_blocks above the index's bound counts as that bound: before, 2^64 - 1
+// let its predictions grow without bound (here past max_index_entries).
+TEST_F(RouterCoreTest, ApproximateModeCapacityIsBoundedByTheIndex) {
+  RouterOptions o;
+  o.models = {"llama-3.3-70b"};
+  o.approx_ttl = absl::Hours(1);
+  o.max_index_entries = 64;
+  Make(o);
+  SourceInfo a0 = Info("a0", SourceKind::kWorker, "llama-3.3-70b", /*events=*/false);
+  a0.capacity_blocks = UINT64_MAX;
+  ASSERT_TRUE(core_->Register(a0, kT0).ok());
+  for (uint32_t p = 0; p < 10; ++p) {
+    RouteDecision d = Route(Hash(Tokens(16 * 40, 300 + p)), kT0 + absl::Seconds(p));
+    core_->CompleteDecision(d.decision_id);
+  }
+  EXPECT_LE(core_->ApproxSizes("a0").first, 64u);
+}
+
 // A prediction larger than the worker's capacity keeps its head: the blocks dropped to
 // fit are its tail (dropping the head first left blocks no prefix could match).
 TEST_F(RouterCoreTest, ApproximateModeOverCapacityKeepsThePrefix) {
