@@ -50,6 +50,14 @@ class RouterCoreTest : public ::testing::Test {
     ASSERT_TRUE(c.ok()) << c.status();
     core_ = std::move(*c);
   }
+  // Predictions that live an hour, in an index of at most max_index_entries (0: default).
+  void MakeApprox(uint64_t max_index_entries = 0) {
+    RouterOptions o;
+    o.models = {"llama-3.3-70b"};
+    o.approx_ttl = absl::Hours(1);
+    if (max_index_entries != 0) o.max_index_entries = max_index_entries;
+    Make(o);
+  }
   void MakeDefault(PolicyKind policy, std::vector<std::string> models = {"llama-3.3-70b"}) {
     RouterOptions o;
     o.models = std::move(models);
@@ -380,11 +388,7 @@ TEST_F(RouterCoreTest, ApproximateModeSourceMayNotPublish) {
 }
 
 TEST_F(RouterCoreTest, ApproximateModeRepeatsDoNotGrowItsQueue) {
-  RouterOptions o;
-  o.models = {"llama-3.3-70b"};
-  o.approx_ttl = absl::Hours(1);
-  o.max_index_entries = 64;
-  Make(o);
+  MakeApprox(64);
   Worker("a0", "llama-3.3-70b", /*events=*/false);
   const auto h = Hash(Tokens(16 * 40, 9));  // 40 blocks
   for (int i = 0; i < 1000; ++i) {
@@ -405,11 +409,7 @@ TEST_F(RouterCoreTest, ApproximateModeRepeatsDoNotGrowItsQueue) {
 // A worker's capacity_blocks above the index's bound counts as that bound: before, 2^64 - 1
 // let its predictions grow without bound (here past max_index_entries).
 TEST_F(RouterCoreTest, ApproximateModeCapacityIsBoundedByTheIndex) {
-  RouterOptions o;
-  o.models = {"llama-3.3-70b"};
-  o.approx_ttl = absl::Hours(1);
-  o.max_index_entries = 64;
-  Make(o);
+  MakeApprox(64);
   SourceInfo a0 = Info("a0", SourceKind::kWorker, "llama-3.3-70b", /*events=*/false);
   a0.capacity_blocks = UINT64_MAX;
   ASSERT_TRUE(core_->Register(a0, kT0).ok());
@@ -423,10 +423,7 @@ TEST_F(RouterCoreTest, ApproximateModeCapacityIsBoundedByTheIndex) {
 // A prediction larger than the worker's capacity keeps its head: the blocks dropped to
 // fit are its tail (dropping the head first left blocks no prefix could match).
 TEST_F(RouterCoreTest, ApproximateModeOverCapacityKeepsThePrefix) {
-  RouterOptions o;
-  o.models = {"llama-3.3-70b"};
-  o.approx_ttl = absl::Hours(1);
-  Make(o);
+  MakeApprox();
   SourceInfo a0 = Info("a0", SourceKind::kWorker, "llama-3.3-70b", /*events=*/false);
   a0.capacity_blocks = 2;
   ASSERT_TRUE(core_->Register(a0, kT0).ok());
