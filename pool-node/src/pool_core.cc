@@ -538,7 +538,7 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
         need_kind[KindIndex(key.kind)] = n;
         EvictionPlan plan;
         plan.tier = kD;
-              if (im.PlanDramRoom(plan, need_kind, n).shortfall == Impl::RoomShort::kNone && im.DropVictims(plan)) {
+        if (im.PlanDramRoom(plan, need_kind, n).shortfall == Impl::RoomShort::kNone && im.DropVictims(plan)) {
           pages = im.alloc_[kD]->Allocate(static_cast<uint32_t>(n));
         }
         o = im.Find(key);  // eviction never takes NVMe-only objects' only copy, but re-find

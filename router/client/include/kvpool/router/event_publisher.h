@@ -53,7 +53,7 @@ namespace kvpool::router {
 
 struct EventPublisherOptions {
   std::string router_address;          // host:port
-  v1::RegisterRequest registration;    // source_id, kind, address, model, capacity (publishes_events: set) (publishes_events: set)
+  v1::RegisterRequest registration;    // source_id, kind, address, model, capacity (publishes_events: set)
   // Every object the source holds now, as `stored` events (sequence left 0). Required.
   std::function<std::vector<v1::KvEvent>()> dump;
   // The load sent with each heartbeat; optional (no load field when unset).
