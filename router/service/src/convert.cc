@@ -169,6 +169,20 @@ absl::StatusOr<RouteInput> RouteFromProto(const v1::RouteRequest& req, const Rou
   if (req.tenant_salt().size() > 256) return Invalid("tenant_salt", "longer than 256 bytes");
   if (req.extra_keys_size() > 16) return Invalid("extra_keys", "more than 16 entries");
   if (req.session_id().size() > 256) return Invalid("session_id", "longer than 256 bytes");
+  // Fields the request's form would ignore are refused, not dropped: a client that set them
+  // expects them to count.
+  if (has_hashes && !req.tenant_salt().empty()) {
+    return Invalid("tenant_salt", "set with block_hashes, which carry the salt already (it is mixed in when they are "
+                                  "hashed); leave it empty, or send tokens");
+  }
+  if (has_hashes && req.extra_keys_size() > 0) {
+    return Invalid("extra_keys", "set with block_hashes, which carry the keys already (they are mixed in when they "
+                                 "are hashed); leave it empty, or send tokens");
+  }
+  if (has_tokens && req.prompt_tokens() != 0 && req.prompt_tokens() != static_cast<uint64_t>(req.tokens_size())) {
+    return Invalid("prompt_tokens", absl::StrCat(req.prompt_tokens(), " but tokens has ", req.tokens_size(),
+                                                 "; leave it 0 when sending tokens"));
+  }
   RouteInput in;
   in.model = model->spec.name;
   in.block_tokens = model->block_tokens;

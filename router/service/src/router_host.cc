@@ -182,6 +182,11 @@ absl::StatusOr<RouterCore::Registration> RouterHost::CheckRegistration(const Wor
     return absl::NotFoundError(absl::StrCat("source_id=\"", w.source_id, "\" was not registered when this stream ",
                                             "began; call Register first, then open the stream"));
   }
+  if (w.registration > reg.id) {  // ids only grow: never this source's
+    return absl::InvalidArgumentError(absl::StrCat("registration=", w.registration, " is not one source_id=\"",
+                                                   w.source_id, "\" was given (its current one is ", reg.id,
+                                                   "); send the RegisterResponse.registration of its latest Register"));
+  }
   if (reg.id != w.registration) {
     return absl::AbortedError(absl::StrCat("source_id=\"", w.source_id, "\" registered again after this stream ",
                                            "began; its events are dropped: publish on a stream opened after the ",

@@ -346,6 +346,21 @@ TEST_F(RouterServiceTest, StreamNamingAnOlderRegistrationIsRefusedHoweverLateItI
   r = client_->Route(TokensRequest(Tokens(16 * 4, 13)));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->gpu_hit_blocks(), 2u) << "the current registration's dump did not apply";
+  {
+    // One the source was never given (ids only grow) is named as such, INVALID_ARGUMENT
+    // (before: ABORTED, "registered again after this stream began").
+    grpc::ClientContext ctx;
+    v1::PublishEventsResponse resp;
+    auto stream = stub->PublishEvents(&ctx, &resp);
+    v1::EventBatch b = Stored("w0", 1, hashes, 2, /*dump=*/true);
+    b.set_registration(second + 1000);
+    stream->Write(b);
+    stream->WritesDone();
+    const grpc::Status s = stream->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_NE(s.error_message().find("is not one source_id=\"w0\" was given"), std::string::npos)
+        << s.error_message();
+  }
 }
 
 // EventPublisher on a stream the router ends with ABORTED (its source id was registered
@@ -455,6 +470,20 @@ TEST_F(RouterServiceTest, BadInputGetsClearErrorsAndOthersAreStillServed) {
   v1::RouteRequest both = TokensRequest(Tokens(32, 3));
   both.add_block_hashes(std::string(16, 'a'));
   expect(client_->Route(both).status(), absl::StatusCode::kInvalidArgument, "exactly one");
+  // Fields the request's form would ignore are refused (before, they were dropped).
+  v1::RouteRequest salted_hashes;
+  salted_hashes.mutable_model()->set_name("tiny-gqa");
+  salted_hashes.add_block_hashes(std::string(16, 'a'));
+  salted_hashes.set_tenant_salt("tenant-1");
+  expect(client_->Route(salted_hashes).status(), absl::StatusCode::kInvalidArgument, "tenant_salt");
+  salted_hashes.clear_tenant_salt();
+  salted_hashes.add_extra_keys(7);
+  expect(client_->Route(salted_hashes).status(), absl::StatusCode::kInvalidArgument, "extra_keys");
+  v1::RouteRequest counted = TokensRequest(Tokens(32, 3));
+  counted.set_prompt_tokens(33);
+  expect(client_->Route(counted).status(), absl::StatusCode::kInvalidArgument, "prompt_tokens");
+  counted.set_prompt_tokens(32);  // the same count: fine
+  EXPECT_TRUE(client_->Route(counted).ok());
   v1::RouteRequest no_worker = TokensRequest(Tokens(64, 3), "tiny-mla");
   expect(client_->Route(no_worker).status(), absl::StatusCode::kUnavailable, "tiny-mla");
 
