@@ -26,55 +26,71 @@ struct FreeDeleter {
   void operator()(std::byte* p) const { std::free(p); }
 };
 
+// A node of `node_pages` pages and a tier over a local arena of `arena_pages` pages
+// (filled with 0x3C).
+struct SmallPool {
+  std::unique_ptr<pool_node::NodeServer> node;
+  std::unique_ptr<std::byte, FreeDeleter> arena;
+  std::unique_ptr<PoolTier> tier;
+};
+
+void StartSmallPool(const std::string& name, SmallPool& p, PoolTierOptions o = {}, uint64_t node_pages = 64,
+                    uint64_t arena_pages = 8) {
+  pool_node::NodeConfig c;
+  c.listen = "127.0.0.1:0";
+  c.metrics_port = -1;
+  c.pool.node_id = name;
+  c.pool.page_bytes = kPage;
+  c.pool.dram_bytes = node_pages * kPage;
+  auto node = pool_node::NodeServer::Start(c);
+  ASSERT_TRUE(node.ok()) << node.status();
+  p.node = *std::move(node);
+  void* mem = nullptr;
+  ASSERT_EQ(posix_memalign(&mem, kPage, arena_pages * kPage), 0);
+  p.arena.reset(static_cast<std::byte*>(mem));
+  std::memset(p.arena.get(), 0x3C, arena_pages * kPage);
+  o.node_addresses = {absl::StrCat("127.0.0.1:", p.node->port())};
+  o.client_id = name;
+  auto tier = PoolTier::Create(o, {p.arena.get(), arena_pages * kPage}, kPage);
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  p.tier = *std::move(tier);
+}
+
 // A prompt of more blocks than one Lookup call may name (PoolClient::kMaxLookupHashes)
 // is looked up in several calls: every stored block is found and reads back intact, and
 // every lease is released.
 TEST(PoolTierTest, LookupsLongerThanOneCallFindEveryBlock) {
   constexpr size_t kBlocks = pool_node::PoolClient::kMaxLookupHashes * 2 + 100;
-  pool_node::NodeConfig c;
-  c.listen = "127.0.0.1:0";
-  c.metrics_port = -1;
-  c.pool.node_id = "pool-tier-test";
-  c.pool.page_bytes = kPage;
-  c.pool.dram_bytes = (kBlocks + 1024) * kPage;
-  auto node = pool_node::NodeServer::Start(c);
-  ASSERT_TRUE(node.ok()) << node.status();
-
-  // Local arena: kBlocks pages to put from, kBlocks pages to get into.
-  const uint64_t arena_bytes = 2 * kBlocks * kPage;
-  void* mem = nullptr;
-  ASSERT_EQ(posix_memalign(&mem, kPage, arena_bytes), 0);
-  std::unique_ptr<std::byte, FreeDeleter> arena(static_cast<std::byte*>(mem));
-  for (uint64_t i = 0; i < arena_bytes / 8; ++i) {
-    const uint64_t v = i < kBlocks * kPage / 8 ? i * 0x9E3779B97F4A7C15ull + 1 : 0;
-    std::memcpy(arena.get() + i * 8, &v, 8);
-  }
   PoolTierOptions o;
-  o.node_addresses = {absl::StrCat("127.0.0.1:", (*node)->port())};
-  o.client_id = "pool-tier-test";
   // Generous: 8K objects on a loaded 2-core machine (or under ASan) take seconds, and a
   // timed-out call would mark the node down (what is tested here is the split).
   o.rpc_timeout_ms = 120'000;
   o.transfer_timeout = absl::Seconds(120);
-  auto tier = PoolTier::Create(o, {arena.get(), arena_bytes}, kPage);
-  ASSERT_TRUE(tier.ok()) << tier.status();
+  // Local arena: kBlocks pages to put from (a pattern), kBlocks pages to get into (zeros).
+  SmallPool p;
+  ASSERT_NO_FATAL_FAILURE(StartSmallPool("pool-tier-test", p, o, kBlocks + 1024, 2 * kBlocks));
+  std::byte* arena = p.arena.get();
+  for (uint64_t i = 0; i < 2 * kBlocks * kPage / 8; ++i) {
+    const uint64_t v = i < kBlocks * kPage / 8 ? i * 0x9E3779B97F4A7C15ull + 1 : 0;
+    std::memcpy(arena + i * 8, &v, 8);
+  }
 
   std::vector<BlockHash> hashes;
   std::vector<PoolPut> puts;
   for (size_t i = 0; i < kBlocks; ++i) {
     hashes.push_back(Hash(i));
-    PoolPut p;
-    p.hash = Hash(i);
-    if (i > 0) p.parent = Hash(i - 1);
-    p.local_pages = {i};
-    p.length = kPage;
-    puts.push_back(std::move(p));
+    PoolPut put;
+    put.hash = Hash(i);
+    if (i > 0) put.parent = Hash(i - 1);
+    put.local_pages = {i};
+    put.length = kPage;
+    puts.push_back(std::move(put));
   }
-  EXPECT_EQ((*tier)->Put(puts), kBlocks * kPage);
-  ASSERT_EQ((*tier)->rpc_failures(), 0u);
+  EXPECT_EQ(p.tier->Put(puts), kBlocks * kPage);
+  ASSERT_EQ(p.tier->rpc_failures(), 0u);
 
-  PoolLookup found = (*tier)->Lookup(hashes, StateKind::kAttnKv, kPage);
-  EXPECT_EQ((*tier)->rpc_failures(), 0u);
+  PoolLookup found = p.tier->Lookup(hashes, StateKind::kAttnKv, kPage);
+  EXPECT_EQ(p.tier->rpc_failures(), 0u);
   ASSERT_EQ(found.found.size(), kBlocks);
   std::vector<size_t> which;
   std::vector<std::vector<uint64_t>> dst;
@@ -84,47 +100,19 @@ TEST(PoolTierTest, LookupsLongerThanOneCallFindEveryBlock) {
     dst.push_back({kBlocks + i});
   }
   EXPECT_EQ(found.leases.size(), 3u);  // one per call
-  ASSERT_TRUE((*tier)->Get(found, which, dst).ok());
-  EXPECT_EQ(std::memcmp(arena.get(), arena.get() + kBlocks * kPage, kBlocks * kPage), 0);
+  ASSERT_TRUE(p.tier->Get(found, which, dst).ok());
+  EXPECT_EQ(std::memcmp(arena, arena + kBlocks * kPage, kBlocks * kPage), 0);
 
-  (*tier)->Release(found);
+  p.tier->Release(found);
   EXPECT_TRUE(found.leases.empty());
   // The releases are asynchronous: the node's lease count drops to zero once they land.
   // (Bounded only to turn a lost release into a failure; nothing here is timed.)
   uint64_t leases = 1;
   for (int i = 0; i < 2000 && leases != 0; ++i) {
-    leases = (*node)->core().Stats().active_leases;
+    leases = p.node->core().Stats().active_leases;
     if (leases != 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   EXPECT_EQ(leases, 0u);
-}
-
-// A node of 64 pages and a tier over a local arena of 8 pages (filled with 0x3C).
-struct SmallPool {
-  std::unique_ptr<pool_node::NodeServer> node;
-  std::unique_ptr<std::byte, FreeDeleter> arena;
-  std::unique_ptr<PoolTier> tier;
-};
-
-void StartSmallPool(const std::string& name, SmallPool& p, PoolTierOptions o = {}) {
-  pool_node::NodeConfig c;
-  c.listen = "127.0.0.1:0";
-  c.metrics_port = -1;
-  c.pool.node_id = name;
-  c.pool.page_bytes = kPage;
-  c.pool.dram_bytes = 64 * kPage;
-  auto node = pool_node::NodeServer::Start(c);
-  ASSERT_TRUE(node.ok()) << node.status();
-  p.node = *std::move(node);
-  void* mem = nullptr;
-  ASSERT_EQ(posix_memalign(&mem, kPage, 8 * kPage), 0);
-  p.arena.reset(static_cast<std::byte*>(mem));
-  std::memset(p.arena.get(), 0x3C, 8 * kPage);
-  o.node_addresses = {absl::StrCat("127.0.0.1:", p.node->port())};
-  o.client_id = name;
-  auto tier = PoolTier::Create(o, {p.arena.get(), 8 * kPage}, kPage);
-  ASSERT_TRUE(tier.ok()) << tier.status();
-  p.tier = *std::move(tier);
 }
 
 // Puts a chain of n blocks from local pages 0..n-1, block i of lengths[i] bytes.
