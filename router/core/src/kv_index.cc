@@ -92,6 +92,11 @@ uint64_t KvIndex::last_sequence(SourceSlot slot) const {
 bool KvIndex::stale(SourceSlot slot) const {
   return slot < sources_.size() && sources_[slot].stale;
 }
+bool KvIndex::MarkStale(SourceSlot slot) {
+  if (slot >= sources_.size() || sources_[slot].stale) return false;
+  sources_[slot].stale = true;
+  return true;
+}
 
 uint32_t KvIndex::NextTick() {
   if (tick_ == ~uint32_t{0}) {

@@ -226,6 +226,16 @@ absl::StatusOr<RouterCore::Registration> RouterCore::FindRegistration(absl::stri
   return Registration{s.registration, s.info.kind, s.info.publishes_events};
 }
 
+bool RouterCore::StreamLost(absl::string_view source_id, uint64_t registration) {
+  auto it = by_id_.find(source_id);
+  if (it == by_id_.end()) return false;
+  const Source& s = sources_[it->second];
+  if (s.registration != registration || !s.info.publishes_events) return false;
+  if (!index_.MarkStale(it->second)) return false;
+  ++full_dumps_requested_;
+  return true;
+}
+
 absl::Status RouterCore::CheckPublishes(absl::string_view source_id, const Registration& reg) {
   if (reg.publishes_events) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(

@@ -164,6 +164,11 @@ uint64_t RouterHost::RegistrationOf(absl::string_view source_id) {
   return reg.ok() ? reg->id : 0;
 }
 
+void RouterHost::StreamLost(absl::string_view source_id, uint64_t registration) {
+  absl::MutexLock l(&core_mu_);
+  core_->StreamLost(source_id, registration);
+}
+
 void RouterHost::Enqueue(std::string source_id, uint64_t registration, EventBatch batch, Done done) {
   {
     absl::MutexLock l(&queue_mu_);

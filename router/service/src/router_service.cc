@@ -1,6 +1,8 @@
 // The gRPC layer: kvpool.v1.Router on the callback API. It only converts protos
 // (convert.h) and delegates to RouterHost; nothing here blocks a reactor thread for
 // longer than one core operation.
+#include <atomic>
+
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -29,7 +31,11 @@ constexpr int kMinClientPingIntervalMs = 5'000;
 // One PublishEvents stream. At any moment either a read or an apply is pending, never
 // both, so the reactor needs no lock: read -> convert -> Enqueue -> (applier) OnApplied
 // -> read ... -> client half-closes -> Finish with the totals. A stream whose source
-// registered again after it began finishes with ABORTED at its next batch.
+// registered again after it began finishes with ABORTED at its next batch. A stream that
+// ends any other way (cancelled, cut, or finished here with an error) may have lost
+// events its client already wrote, with no later sequence number to show it: its source
+// is marked stale at the end (RouterHost::StreamLost), so its next heartbeat asks for a
+// full dump.
 class EventsReactor : public grpc::ServerReadReactor<v1::EventBatch> {
  public:
   EventsReactor(RouterHost* host, v1::PublishEventsResponse* response) : host_(host), response_(response) {
@@ -50,18 +56,18 @@ class EventsReactor : public grpc::ServerReadReactor<v1::EventBatch> {
     std::string source;
     absl::StatusOr<EventBatch> b = BatchFromProto(batch_, &source);
     if (!b.ok()) {
-      Finish(ToGrpcStatus(b.status()));
+      Fail(b.status());
       return;
     }
     if (!source_.empty() && source != source_) {
-      Finish(ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
-          "source_id=\"", source, "\" but this stream started as \"", source_, "\"; use one stream per source"))));
+      Fail(absl::InvalidArgumentError(absl::StrCat("source_id=\"", source, "\" but this stream started as \"",
+                                                   source_, "\"; use one stream per source")));
       return;
     }
     if (!source_.empty() && batch_.registration() != 0 && batch_.registration() != registration_) {
-      Finish(ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
-          "registration=", batch_.registration(), " but this stream started with registration=", registration_,
-          "; open a new stream after each Register"))));
+      Fail(absl::InvalidArgumentError(absl::StrCat("registration=", batch_.registration(),
+                                                   " but this stream started with registration=", registration_,
+                                                   "; open a new stream after each Register")));
       return;
     }
     if (source_.empty()) {
@@ -76,15 +82,28 @@ class EventsReactor : public grpc::ServerReadReactor<v1::EventBatch> {
                    [this](absl::StatusOr<EventsResult> r) { OnApplied(std::move(r)); });
   }
 
+  // Runs before OnDone (gRPC orders them), possibly on another thread while a batch is
+  // applied: hence the atomic.
+  void OnCancel() override { lost_.store(true, std::memory_order_relaxed); }
+
   void OnDone() override {
+    // A registration that is no longer current (the ABORTED case) is left alone there.
+    if (lost_.load(std::memory_order_relaxed) && !source_.empty()) host_->StreamLost(source_, registration_);
     if (opened_) host_->CloseStream();
     delete this;
   }
 
  private:
+  // Finishes with `s` (not OK): the batch in hand, and any the client wrote after it, are
+  // not applied.
+  void Fail(const absl::Status& s) {
+    lost_.store(true, std::memory_order_relaxed);
+    Finish(ToGrpcStatus(s));
+  }
+
   void OnApplied(absl::StatusOr<EventsResult> r) {
     if (!r.ok()) {
-      Finish(ToGrpcStatus(r.status()));
+      Fail(r.status());
       return;
     }
     response_->set_events_applied(response_->events_applied() + r->apply.applied);
@@ -99,6 +118,7 @@ class EventsReactor : public grpc::ServerReadReactor<v1::EventBatch> {
   std::string source_;
   uint64_t registration_ = 0;  // the first batch's registration, else RegistrationOf(source_) then
   bool opened_ = false;
+  std::atomic<bool> lost_{false};  // events the client wrote may not have been applied
 };
 
 class RouterService final : public v1::Router::CallbackService {

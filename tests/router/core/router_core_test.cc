@@ -543,6 +543,46 @@ TEST_F(RouterCoreTest, GapInEventsRequestsDumpThroughHeartbeat) {
   EXPECT_EQ(Route(h).gpu_hit_blocks, 3u);
 }
 
+// A broken event stream (RouterHost reports it) may have lost events with no later
+// sequence number to show the gap: the source's current registration turns stale, keeps
+// its entries, and its heartbeats ask for a dump until one lands. An older registration's
+// stream, an unknown source and an approximate-mode source change nothing.
+TEST_F(RouterCoreTest, LostStreamRequestsADumpOfTheCurrentRegistrationOnly) {
+  MakeDefault(PolicyKind::kCacheAware);
+  Worker("w0");
+  Worker("a0", "llama-3.3-70b", /*events=*/false);
+  const auto h = Hash(Tokens(16 * 3, 21));
+  Store("w0", h, 3);
+  const uint64_t old_reg = core_->FindRegistration("w0")->id;
+  Worker("w0");  // a new incarnation: its view starts empty, its stream is another
+  seq_["w0"] = 0;
+  Store("w0", h, 3);
+  const uint64_t reg = core_->FindRegistration("w0")->id;
+  ASSERT_NE(reg, old_reg);
+
+  EXPECT_FALSE(core_->StreamLost("w0", old_reg));
+  EXPECT_FALSE(core_->StreamLost("nobody", reg));
+  EXPECT_FALSE(core_->StreamLost("a0", core_->FindRegistration("a0")->id));
+  EXPECT_FALSE(core_->Heartbeat("w0", {}, {}, kT0).full_dump_requested);
+  EXPECT_FALSE(core_->Heartbeat("a0", {}, {}, kT0).full_dump_requested);
+  EXPECT_EQ(core_->Stats(kT0).full_dumps_requested, 0u);
+
+  EXPECT_TRUE(core_->StreamLost("w0", reg));
+  EXPECT_FALSE(core_->StreamLost("w0", reg));  // already waiting for a dump
+  EXPECT_TRUE(core_->Heartbeat("w0", {}, {}, kT0).full_dump_requested);
+  EXPECT_EQ(core_->Stats(kT0).full_dumps_requested, 1u);
+  const auto w0 = static_cast<SourceSlot>(core_->SlotOf("w0"));
+  EXPECT_EQ(core_->index().source_entries(w0), 3u);  // entries stay until the dump
+
+  EventBatch dump;
+  dump.full_dump = true;
+  dump.dump_sequence = 1;
+  dump.events.push_back(KvEvent::Stored(1, {}, {h[0]}));
+  ASSERT_TRUE(core_->ApplyEvents("w0", dump, kT0).ok());
+  EXPECT_FALSE(core_->Heartbeat("w0", {}, {}, kT0).full_dump_requested);
+  EXPECT_EQ(core_->index().source_entries(w0), 1u);
+}
+
 // RouterHost applies a large dump in parts, releasing its lock in between: the first part
 // ends the wait for a dump (no heartbeat asks for another), the last sets the sequence.
 TEST_F(RouterCoreTest, DumpInPartsEndsTheWaitFirstAndSetsTheSequenceLast) {

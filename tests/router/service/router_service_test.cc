@@ -305,6 +305,58 @@ TEST_F(RouterServiceTest, StreamOfAnEarlierRegistrationEndsWithAborted) {
   EXPECT_EQ(r->gpu_hit_blocks(), 1u) << "the old stream's blocks reached the new registration";
 }
 
+// A stream that breaks may have lost batches its client already wrote (a Write succeeds
+// once gRPC has the message), and no later sequence number need ever show the gap: the
+// router marks its source stale when such a stream ends, so the source's next heartbeat
+// asks for a full dump. So does a stream the router ended with an error. A stream its
+// client half-closed lost nothing: its source is not asked.
+TEST_F(RouterServiceTest, BrokenStreamAsksItsSourceForADump) {
+  RegisterWorker("w0");
+  RegisterWorker("w1");
+  RegisterWorker("w2");
+  const auto hashes = hasher_->HashPrefix(Tokens(16 * 4, 31));
+  auto stub = RawStub();
+  auto heartbeat = [&](const std::string& id) {
+    v1::HeartbeatRequest hb;
+    hb.set_source_id(id);
+    auto r = client_->Heartbeat(hb);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() && r->full_dump_requested();
+  };
+
+  grpc::ClientContext cut_ctx;
+  v1::PublishEventsResponse cut_resp;
+  auto cut = stub->PublishEvents(&cut_ctx, &cut_resp);
+  ASSERT_TRUE(cut->Write(Stored("w0", 1, hashes, 4)));
+  ASSERT_TRUE(Eventually([&] { return IndexBlocksOf("w0") == 4; }));
+  cut_ctx.TryCancel();
+  EXPECT_EQ(cut->Finish().error_code(), grpc::StatusCode::CANCELLED);
+
+  grpc::ClientContext bad_ctx;
+  v1::PublishEventsResponse bad_resp;
+  auto bad = stub->PublishEvents(&bad_ctx, &bad_resp);
+  ASSERT_TRUE(bad->Write(Stored("w1", 1, hashes, 2)));
+  ASSERT_TRUE(Eventually([&] { return IndexBlocksOf("w1") == 2; }));
+  v1::EventBatch refused = Stored("w1", 2, hashes, 1);
+  refused.mutable_events(0)->mutable_stored()->set_block_hashes(0, "short");
+  bad->Write(refused);
+  bad->WritesDone();
+  EXPECT_EQ(bad->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+
+  ASSERT_TRUE(client_->PublishEvents({Stored("w2", 1, hashes, 3)}).ok());  // half-closed
+
+  ASSERT_TRUE(Eventually([&] { return heartbeat("w0"); })) << "a cancelled stream's source was not asked";
+  ASSERT_TRUE(Eventually([&] { return heartbeat("w1"); })) << "a refused stream's source was not asked";
+  EXPECT_FALSE(heartbeat("w2"));
+  EXPECT_EQ(IndexBlocksOf("w0"), 4u);  // kept until the dump lands
+
+  v1::EventBatch dump = Stored("w0", 1, hashes, 2, /*dump=*/true);
+  dump.set_dump_sequence(1);
+  ASSERT_TRUE(client_->PublishEvents({dump}).ok());
+  EXPECT_FALSE(heartbeat("w0"));
+  EXPECT_EQ(IndexBlocksOf("w0"), 2u);
+}
+
 // A stream that names its registration is judged by it, not by when the router reads
 // its first batch: one read only after the source registered again is still refused.
 TEST_F(RouterServiceTest, StreamNamingAnOlderRegistrationIsRefusedHoweverLateItIsRead) {

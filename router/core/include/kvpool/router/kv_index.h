@@ -15,7 +15,8 @@
 // Invariants:
 //  1. Events of a source apply in sequence order: the event after `last_sequence` must
 //     be last_sequence + 1; older ones are duplicates and are skipped.
-//  2. A gap marks the source stale: later non-dump batches are ignored (counted) until
+//  2. A gap marks the source stale (so does MarkStale: events may have been lost where
+//     the index cannot see a gap): later non-dump batches are ignored (counted) until
 //     a full dump arrives; the source's entries are kept meanwhile.
 //  3. A full dump replaces everything the index attributes to the source.
 //  4. entries() <= max_entries after every call: above it, the index prunes leaf blocks
@@ -122,6 +123,9 @@ class KvIndex {
   ApplyResult ApplyDumpPart(SourceSlot slot, const EventBatch& batch, size_t begin, size_t end);
   // Applies one event ignoring sequence numbers (the indexer contract's apply_event).
   void ApplyEvent(SourceSlot slot, const KvEvent& event);
+  // Marks a started source stale (invariant 2) as a gap would: its events may have been
+  // lost after the last one applied. Returns whether it was not stale before.
+  bool MarkStale(SourceSlot slot);
 
   // Direct mutations (no sequence check): approximate mode and the simulator use these.
   void Store(SourceSlot slot, const BlockHash& parent, std::span<const BlockHash> hashes, Tier tier,

@@ -197,6 +197,13 @@ class RouterCore {
   static absl::Status CheckPublishes(absl::string_view source_id, const Registration& reg);
   // Drops a source with its entries. NOT_FOUND when unknown.
   absl::Status Deregister(absl::string_view id);
+  // An event stream of `source_id`'s registration `registration` broke (cancelled, cut,
+  // or refused a batch): events written to it may never have arrived, and no later
+  // sequence number may show the gap. Marks the source stale, so its next heartbeat asks
+  // for a full dump; its entries stay until the dump lands. Nothing happens when the
+  // source is unknown, has registered again since, or does not publish events. Returns
+  // whether the source became stale.
+  bool StreamLost(absl::string_view source_id, uint64_t registration);
   // Validates the whole batch (nothing applies when one event is bad), then applies it.
   // NOT_FOUND for an unregistered source; INVALID_ARGUMENT naming the event and field.
   absl::StatusOr<EventsResult> ApplyEvents(absl::string_view source_id, const EventBatch& batch,

@@ -85,6 +85,10 @@ class RouterHost {
   // not registered. A stream takes it with its first batch and passes it to Enqueue with
   // every batch.
   uint64_t RegistrationOf(absl::string_view source_id);
+  // A stream of that registration ended without its client's clean half-close (cancelled,
+  // cut, or finished with an error): RouterCore::StreamLost, so the source's next
+  // heartbeat asks for a full dump.
+  void StreamLost(absl::string_view source_id, uint64_t registration);
   // Queues one batch of `source_id`'s registration `registration`; `done` runs on the
   // applier thread once it is applied, or failed: NOT_FOUND when the source is not
   // registered (or was not when the stream began), ABORTED once it has registered again
