@@ -27,6 +27,7 @@
 #include <atomic>
 #include <deque>
 #include <memory>
+#include <random>
 #include <set>
 #include <string>
 #include <thread>
@@ -64,11 +65,13 @@ struct Object {
 struct ReservedEntry {
   ReserveEntrySpec spec;
   bool already_present = false;
+  absl::Status refused;  // ReserveSlot::status: no pages, and a Commit naming it gets this
   bool claimed = false;  // named by a Commit (verifying or done)
   std::vector<uint32_t> pages;
 };
 
 struct ReservationState {
+  std::string client;  // ReserveRequest.client_id: only its Commits settle it
   int64_t expires_ms = 0;
   uint32_t committing = 0;  // Commits between their claim and their publish: no expiry
   uint32_t claimed = 0;     // Commits that came (claimed their entries)
@@ -82,6 +85,7 @@ struct ReservationState {
 };
 
 struct LeaseState {
+  std::string client;  // LookupRequest.client_id: only its Release ends it
   int64_t expires_ms = 0;
   std::vector<ObjectKey> keys;
 };
@@ -134,7 +138,10 @@ class PoolCore::Impl {
   // ExpireLocked visits only the timed-out ones: a Commit takes its reservation out
   // while it verifies and puts it back after (ExpiryOff / ExpiryOn).
   std::set<std::pair<int64_t, uint64_t>> reservation_expiry_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  // Reservation and lease ids: random, non-zero, unique among the live ones (a client
+  // cannot guess another's id; the owner check in Commit and Release stops it anyway).
+  uint64_t NewId() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::mt19937_64 id_gen_ ABSL_GUARDED_BY(mu_);
   uint64_t tick_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t used_by_kind_[kNumTiers][kNumKinds] ABSL_GUARDED_BY(mu_) = {};  // pages
   uint64_t reserved_by_kind_[kNumKinds] ABSL_GUARDED_BY(mu_) = {};        // pages

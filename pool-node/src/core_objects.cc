@@ -12,7 +12,17 @@
 namespace kvpool::pool_node {
 
 PoolCore::Impl::Impl(PoolCore* core, const PoolOptions& o)
-    : core_(core), opt_(o), clock_(o.clock ? o.clock : SystemClock()), page_bytes_(o.page_bytes), node_id_(o.node_id) {}
+    : core_(core), opt_(o), clock_(o.clock ? o.clock : SystemClock()), page_bytes_(o.page_bytes), node_id_(o.node_id) {
+  std::random_device rd;
+  id_gen_.seed((uint64_t{rd()} << 32) ^ rd());
+}
+
+uint64_t PoolCore::Impl::NewId() {
+  for (;;) {
+    const uint64_t id = id_gen_();
+    if (id != 0 && !reservations_.contains(id) && !leases_.contains(id)) return id;
+  }
+}
 
 Object* PoolCore::Impl::Find(const ObjectKey& k) {
   auto it = objects_.find(k);

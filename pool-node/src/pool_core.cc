@@ -27,6 +27,14 @@ class SystemClockImpl : public Clock {
   int64_t NowMs() const override { return absl::ToUnixMillis(MonotonicNow()); }
 };
 
+// ReserveSlot::status for an entry whose (hash, kind) the node holds at another length.
+absl::Status OtherLengthError(const ReserveEntrySpec& e, uint64_t stored_length) {
+  return absl::AlreadyExistsError(absl::StrCat(
+      "block ", e.hash.ToHex(), " (", StateKindName(e.kind), ") is stored here with length ", stored_length,
+      ", not ", e.length, " (another model or layout under the same name?); objects are immutable, so it was not "
+      "replaced and nothing was reserved for it: Lookups with object_length=", e.length, " miss it until it is evicted"));
+}
+
 }  // namespace
 
 Clock* SystemClock() {
@@ -187,7 +195,7 @@ uint64_t PoolCore::RunChecksum(const PageRunDesc& run) const {
   return impl_->Checksum(run.pages, run.length);
 }
 
-absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> entries) {
+absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> entries, absl::string_view client) {
   if (entries.empty() || entries.size() > kMaxBatch) {
     return absl::InvalidArgumentError(absl::StrCat("entries: ", entries.size(),
                                                    " given; send 1..4096 per Reserve"));
@@ -228,6 +236,7 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
   const int64_t now = im.clock_->NowMs();
   im.ExpireLocked(now);
   ReservationState rs;
+  rs.client = std::string(client);
   rs.expires_ms = now + options_.reserve_timeout_ms;
   uint64_t need = 0;
   uint64_t need_kind[kNumKinds] = {0, 0};
@@ -245,9 +254,13 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
   for (const auto& e : entries) {
     ReservedEntry re;
     re.spec = e;
-    if (Object* o = im.Find(ObjectKey{e.hash, e.kind})) {
-      re.already_present = true;  // immutable: one of another length stays as it is
-      if (o->length == e.length) im.Touch(*o);  // else it ages out (Lookups of that length miss it too)
+    if (Object* o = im.Find(ObjectKey{e.hash, e.kind}); o != nullptr && o->length != e.length) {
+      // Immutable: it stays as it is, untouched (it ages out; Lookups of this length
+      // miss it too), and the caller is told its bytes were not taken.
+      re.refused = OtherLengthError(e, o->length);
+    } else if (o != nullptr) {
+      re.already_present = true;
+      im.Touch(*o);
       im.Pin(*o);
       pinned.push_back(o->key);
       if (e.kind == StateKind::kLinearState) im.PinKvPrefix(e.hash, pinned, kv_seen);
@@ -300,14 +313,15 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
   }
   im.DropVictims(plan);  // DRAM copies: their pages are freed (no journal)
   Reservation out;
-  out.id = im.next_id_++;
+  out.id = im.NewId();
   out.expires_unix_ms = rs.expires_ms;
   out.ttl_ms = options_.reserve_timeout_ms;
   for (ReservedEntry& re : rs.entries) {
     ReserveSlot slot;
     slot.hash = re.spec.hash;
     slot.already_present = re.already_present;
-    if (!re.already_present) {
+    slot.status = re.refused;
+    if (!re.already_present && re.refused.ok()) {
       auto pages = im.alloc_[kD]->Allocate(static_cast<uint32_t>(im.PagesFor(re.spec.length)));
       re.pages = std::move(*pages);  // fits: checked above
       im.reserved_by_kind_[KindIndex(re.spec.kind)] += re.pages.size();
@@ -325,7 +339,8 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
 
 absl::StatusOr<std::vector<CommitOutcome>> PoolCore::Commit(uint64_t reservation_id,
                                                             std::span<const CommitEntrySpec> entries,
-                                                            bool partial, uint32_t commits, bool end_now) {
+                                                            bool partial, uint32_t commits, bool end_now,
+                                                            absl::string_view client) {
   if (entries.size() > kMaxBatch) {
     return absl::InvalidArgumentError(absl::StrCat("entries: ", entries.size(), " given; at most 4096"));
   }
@@ -359,6 +374,11 @@ absl::StatusOr<std::vector<CommitOutcome>> PoolCore::Commit(uint64_t reservation
           "partial ends it) or reclaimed after ", options_.reserve_timeout_ms, " ms; Reserve again"));
     }
     ReservationState& rs = it->second;
+    if (rs.client != client) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "reservation_id=", reservation_id, " was not made by client_id \"", client.substr(0, 128),
+          "\"; Commit only the reservation_id your own Reserve returned (nothing was committed)"));
+    }
     if (partial && entries.empty()) {
       return absl::InvalidArgumentError(
           "entries is empty on a partial Commit, which would publish nothing; name the entries "
@@ -387,7 +407,7 @@ absl::StatusOr<std::vector<CommitOutcome>> PoolCore::Commit(uint64_t reservation
       if (re.claimed) continue;  // named twice
       re.claimed = true;
       claims[i].slot = static_cast<int>(found->second);
-      claims[i].verify = !re.already_present;
+      claims[i].verify = !re.already_present && re.refused.ok();
       claims[i].pages = re.pages;
       claims[i].length = re.spec.length;
     }
@@ -413,6 +433,10 @@ absl::StatusOr<std::vector<CommitOutcome>> PoolCore::Commit(uint64_t reservation
       continue;
     }
     ReservedEntry& re = rs.entries[claims[i].slot];
+    if (!re.refused.ok()) {
+      out[i].status = re.refused;
+      continue;
+    }
     if (re.already_present) continue;
     const ObjectKey key{re.spec.hash, re.spec.kind};
     if (actual[i] != entries[i].checksum) {
@@ -429,7 +453,11 @@ absl::StatusOr<std::vector<CommitOutcome>> PoolCore::Commit(uint64_t reservation
       continue;
     }
     if (Object* existing = im.Find(key)) {  // committed meanwhile by another client
-      im.Touch(*existing);
+      if (existing->length != re.spec.length) {
+        out[i].status = OtherLengthError(re.spec, existing->length);
+      } else {
+        im.Touch(*existing);
+      }
       im.FreeReservedEntry(re);
       continue;
     }
@@ -664,7 +692,8 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
     if (Object* o = im.Find(k)) im.Unpin(*o);
   }
   if (!lease.keys.empty()) {
-    ans.lease_id = im.next_id_++;
+    ans.lease_id = im.NewId();
+    lease.client = spec.client;
     ans.lease_expires_unix_ms = lease.expires_ms;
     ans.lease_ttl_ms = lease.expires_ms - now;
     im.lease_expiry_.emplace(lease.expires_ms, ans.lease_id);
@@ -673,13 +702,19 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
   return ans;
 }
 
-absl::Status PoolCore::Release(uint64_t lease_id) {
+absl::Status PoolCore::Release(uint64_t lease_id, absl::string_view client) {
   Impl& im = *impl_;
   absl::MutexLock l(&im.mu_);
   im.ExpireLocked(im.clock_->NowMs());
-  if (!im.leases_.contains(lease_id)) {
+  auto it = im.leases_.find(lease_id);
+  if (it == im.leases_.end()) {
     return absl::NotFoundError(absl::StrCat("lease_id=", lease_id,
                                             " is unknown: it expired or was released already"));
+  }
+  if (it->second.client != client) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "lease_id=", lease_id, " was not taken by client_id \"", client.substr(0, 128),
+        "\"; Release only the lease_id your own Lookup returned (the lease stays)"));
   }
   im.EndLease(lease_id);
   return absl::OkStatus();

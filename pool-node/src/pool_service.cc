@@ -120,6 +120,17 @@ int64_t WallMsPlus(int64_t ms) {
              .count() +
          ms;
 }
+// client_id as Connect's (1..128 bytes) on Lookup, Reserve, Commit and Release: leases
+// and reservations belong to the client that took them.
+absl::Status CheckClientId(const std::string& client_id) {
+  if (client_id.empty() || client_id.size() > 128) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "client_id is ", client_id.size(), " bytes; give 1..128: the client's id, the same on Connect, Lookup, "
+        "Reserve, Commit and Release (leases and reservations belong to it)"));
+  }
+  return absl::OkStatus();
+}
+
 grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* ctx, grpc::Status s) {
   grpc::ServerUnaryReactor* r = ctx->DefaultReactor();
   r->Finish(std::move(s));
@@ -134,10 +145,7 @@ grpc::ServerUnaryReactor* PoolNodeService::Connect(grpc::CallbackServerContext* 
 }
 
 grpc::Status PoolNodeService::DoConnect(const v1::ConnectRequest* req, v1::ConnectResponse* resp) {
-  if (req->client_id().empty() || req->client_id().size() > 128) {
-    return Done(kConnect, absl::InvalidArgumentError(absl::StrCat(
-                               "client_id is ", req->client_id().size(), " bytes; give 1..128")));
-  }
+  if (absl::Status s = CheckClientId(req->client_id()); !s.ok()) return Done(kConnect, s);
   if (req->ucx_worker_address().empty() || req->ucx_worker_address().size() > (64u << 10)) {
     return Done(kConnect, absl::InvalidArgumentError(absl::StrCat(
                               "ucx_worker_address is ", req->ucx_worker_address().size(),
@@ -162,12 +170,8 @@ grpc::Status PoolNodeService::DoConnect(const v1::ConnectRequest* req, v1::Conne
 namespace {
 constexpr int kMaxEntries = 4096;  // PoolCore's limit per call, checked before parsing
 
-// client_id is optional on Lookup and Reserve; when given, as Connect's: 1..128 bytes.
 absl::Status CheckRequest(const std::string& client_id, int entries, absl::string_view field) {
-  if (client_id.size() > 128) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("client_id is ", client_id.size(), " bytes; give at most 128"));
-  }
+  RETURN_IF_ERROR(CheckClientId(client_id));
   if (entries > kMaxEntries) {
     return absl::InvalidArgumentError(absl::StrCat(field, " has ", entries, " entries; send at most ",
                                                    kMaxEntries, " per call"));
@@ -223,6 +227,7 @@ grpc::ServerUnaryReactor* PoolNodeService::Lookup(grpc::CallbackServerContext* c
   spec.lease_ms = req->lease_ms();
   spec.allow_gaps = req->allow_gaps();
   spec.object_length = req->object_length();
+  spec.client = req->client_id();
   spec.never_block = true;
   absl::StatusOr<LookupAnswer> ans = core_->Lookup(spec);
   if (absl::IsUnavailable(ans.status())) {  // needs NVMe reads: not on this thread
@@ -240,7 +245,7 @@ grpc::ServerUnaryReactor* PoolNodeService::Lookup(grpc::CallbackServerContext* c
       }
       absl::StatusOr<LookupAnswer> answer = core_->Lookup(spec);
       if (answer.ok() && answer->lease_id != 0 && ctx->IsCancelled()) {
-        (void)core_->Release(answer->lease_id);
+        (void)core_->Release(answer->lease_id, spec.client);
         r->Finish(Done(kLookup, absl::CancelledError("the caller went away during the Lookup")));
         return;
       }
@@ -301,7 +306,7 @@ grpc::Status PoolNodeService::Reserve(grpc::ServerContext*, const v1::ReserveReq
     spec.length = e.length();
     entries.push_back(spec);
   }
-  auto r = core_->Reserve(entries);
+  auto r = core_->Reserve(entries, req->client_id());
   if (!r.ok()) return Done(kReserve, r.status());
   resp->set_reservation_id(r->id);
   resp->set_expires_unix_ms(WallMsPlus(r->ttl_ms));
@@ -310,7 +315,12 @@ grpc::Status PoolNodeService::Reserve(grpc::ServerContext*, const v1::ReserveReq
     v1::ReserveResult* o = resp->add_results();
     o->set_block_hash(slot.hash.ToBytes());
     o->set_already_present(slot.already_present);
-    if (!slot.already_present) FillRun(slot.run, o->mutable_run());
+    if (!slot.status.ok()) {
+      o->set_code(static_cast<int32_t>(slot.status.code()));
+      o->set_message(std::string(slot.status.message()));
+    } else if (!slot.already_present) {
+      FillRun(slot.run, o->mutable_run());
+    }
   }
   return Done(kReserve, absl::OkStatus());
 }
@@ -321,7 +331,9 @@ grpc::Status PoolNodeService::Commit(grpc::ServerContext*, const v1::CommitReque
     return Done(kCommit, absl::InvalidArgumentError(
                              "reservation_id=0 names no reservation; pass ReserveResponse.reservation_id"));
   }
-  if (absl::Status s = CheckRequest("", req->entries_size(), "entries"); !s.ok()) return Done(kCommit, s);
+  if (absl::Status s = CheckRequest(req->client_id(), req->entries_size(), "entries"); !s.ok()) {
+    return Done(kCommit, s);
+  }
   std::vector<CommitEntrySpec> entries;
   entries.reserve(req->entries_size());
   for (int i = 0; i < req->entries_size(); ++i) {
@@ -329,7 +341,8 @@ grpc::Status PoolNodeService::Commit(grpc::ServerContext*, const v1::CommitReque
     if (!h.ok()) return Done(kCommit, h.status());
     entries.push_back({*h, req->entries(i).checksum()});
   }
-  auto out = core_->Commit(req->reservation_id(), entries, req->partial(), req->commits(), req->end_now());
+  auto out = core_->Commit(req->reservation_id(), entries, req->partial(), req->commits(), req->end_now(),
+                           req->client_id());
   if (!out.ok()) return Done(kCommit, out.status());
   for (const CommitOutcome& o : *out) {
     v1::CommitResult* r = resp->add_results();
@@ -346,7 +359,8 @@ grpc::ServerUnaryReactor* PoolNodeService::Release(grpc::CallbackServerContext* 
     return Answer(ctx, Done(kRelease, absl::InvalidArgumentError(
                                           "lease_id=0 names no lease; pass LookupResponse.lease_id")));
   }
-  return Answer(ctx, Done(kRelease, core_->Release(req->lease_id())));
+  if (absl::Status s = CheckClientId(req->client_id()); !s.ok()) return Answer(ctx, Done(kRelease, s));
+  return Answer(ctx, Done(kRelease, core_->Release(req->lease_id(), req->client_id())));
 }
 
 grpc::ServerUnaryReactor* PoolNodeService::GetStats(grpc::CallbackServerContext* ctx,

@@ -713,8 +713,10 @@ TEST_F(PoolCoreTest, QuotaThatCannotFitEvictsNothing) {
 // A Lookup that names the object length its caller can use treats an object of another
 // length (put by a writer with another model of the same name) as a miss: not answered,
 // not leased, not made more recent, so it ages out; the answer counts it. A Reserve of
-// the same hash at the caller's length leaves it as it is without making it more recent.
-// Before, the misfit was leased and made the most recent by every such Lookup.
+// the same hash at the caller's length leaves it as it is without making it more recent,
+// and says so: ALREADY_EXISTS naming both lengths, nothing reserved, and a Commit naming
+// the entry gets the same (before: already_present, which a client took for "stored").
+// Before that, the misfit was leased and made the most recent by every such Lookup.
 TEST_F(PoolCoreTest, LookupTreatsAnObjectOfAnotherLengthAsAMiss) {
   auto core = Make(4);
   PutChain(*core, 1, 2, kPage);                                         // H1 -> H2, a page each
@@ -730,7 +732,16 @@ TEST_F(PoolCoreTest, LookupTreatsAnObjectOfAnotherLengthAsAMiss) {
   const ReserveEntrySpec same{H(3), H(2), StateKind::kAttnKv, kPage};
   auto r = core->Reserve({&same, 1});
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_TRUE(r->slots[0].already_present);
+  EXPECT_FALSE(r->slots[0].already_present);
+  EXPECT_EQ(r->slots[0].status.code(), absl::StatusCode::kAlreadyExists) << r->slots[0].status;
+  EXPECT_THAT(std::string(r->slots[0].status.message()), ::testing::HasSubstr("stored here with length 100, not 4096"));
+  EXPECT_TRUE(r->slots[0].run.pages.empty());
+  EXPECT_EQ(core->Stats().reserved_bytes, 0u);
+  const CommitEntrySpec named{H(3), 0};
+  auto c = core->Commit(r->id, {&named, 1});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ((*c)[0].status.code(), absl::StatusCode::kAlreadyExists) << (*c)[0].status;
+  EXPECT_EQ(core->Inspect({H(3), StateKind::kAttnKv})->length, 100u);
   // Untouched, H3 is still the least recently used DRAM leaf (H2 is not a leaf): it goes.
   ASSERT_TRUE(Put(*core, H(20), std::nullopt, Pattern(20, kPage)).ok());
   EXPECT_FALSE(core->Inspect({H(3), StateKind::kAttnKv}).has_value());
@@ -740,6 +751,59 @@ TEST_F(PoolCoreTest, LookupTreatsAnObjectOfAnotherLengthAsAMiss) {
   ASSERT_TRUE(any.ok()) << any.status();
   EXPECT_EQ(any->prefix_blocks, 2u);
   ASSERT_TRUE(core->Release(any->lease_id).ok());
+}
+
+// Another client commits the hash at another length while this reservation is open: this
+// Commit's bytes are not taken (objects are immutable), and it says so with
+// ALREADY_EXISTS (before: OK, as if they were stored). The pages are freed.
+TEST_F(PoolCoreTest, ACommitRacedByTheSameHashAtAnotherLengthSaysSo) {
+  auto core = Make(8);
+  const ReserveEntrySpec e{H(5), std::nullopt, StateKind::kAttnKv, kPage};
+  auto r = core->Reserve({&e, 1}, "a");
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE(r->slots[0].status.ok()) << r->slots[0].status;
+  const std::string bytes = Pattern(5, kPage);
+  core->CopyToRun(r->slots[0].run, testing::Bytes(bytes));
+  ASSERT_TRUE(Put(*core, H(5), std::nullopt, Pattern(6, 100)).ok());  // another client, 100 bytes
+  const CommitEntrySpec c{H(5), Checksum64(testing::Bytes(bytes))};
+  auto out = core->Commit(r->id, {&c, 1}, false, 1, false, "a");
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ((*out)[0].status.code(), absl::StatusCode::kAlreadyExists) << (*out)[0].status;
+  EXPECT_EQ(core->Inspect({H(5), StateKind::kAttnKv})->length, 100u);
+  EXPECT_EQ(core->Stats().reserved_bytes, 0u);
+  EXPECT_EQ(core->Stats().tiers[static_cast<int>(Tier::kDram)].used_bytes, kPage);  // the 100-byte object's page only
+  EXPECT_TRUE(core->CheckIndex().ok());
+}
+
+// Reservations and leases belong to the client that made them: a Commit or Release naming
+// another client's id is PERMISSION_DENIED and changes nothing (before: it settled the
+// other client's reservation or ended its lease). Ids are not handed out in sequence.
+TEST_F(PoolCoreTest, ReservationsAndLeasesBelongToTheirClient) {
+  auto core = Make(8);
+  PutChain(*core, 1, 2, kPage);
+  const ReserveEntrySpec e{H(5), std::nullopt, StateKind::kAttnKv, kPage};
+  auto r = core->Reserve({&e, 1}, "a");
+  ASSERT_TRUE(r.ok()) << r.status();
+  const std::string bytes = Pattern(5, kPage);
+  core->CopyToRun(r->slots[0].run, testing::Bytes(bytes));
+  const CommitEntrySpec c{H(5), Checksum64(testing::Bytes(bytes))};
+  auto stolen = core->Commit(r->id, {&c, 1}, false, 1, false, "b");
+  EXPECT_EQ(stolen.status().code(), absl::StatusCode::kPermissionDenied) << stolen.status();
+  EXPECT_THAT(std::string(stolen.status().message()), ::testing::HasSubstr("client_id \"b\""));
+  EXPECT_FALSE(core->Inspect({H(5), StateKind::kAttnKv}).has_value());
+  EXPECT_EQ(core->Stats().pending_reservations, 1u);
+  auto mine = core->Commit(r->id, {&c, 1}, false, 1, false, "a");
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  EXPECT_TRUE((*mine)[0].status.ok()) << (*mine)[0].status;
+
+  auto lease = core->Lookup({.hashes = {H(1), H(2)}, .client = "a"});
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  ASSERT_NE(lease->lease_id, 0u);
+  EXPECT_NE(lease->lease_id, r->id + 1);  // not the next number
+  EXPECT_EQ(core->Release(lease->lease_id, "b").code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(core->Inspect({H(1), StateKind::kAttnKv})->leases, 1u);
+  EXPECT_TRUE(core->Release(lease->lease_id, "a").ok());
+  EXPECT_EQ(core->Inspect({H(1), StateKind::kAttnKv})->leases, 0u);
 }
 
 // A Reserve entry that no eviction could ever fit (larger than the DRAM tier, or than its

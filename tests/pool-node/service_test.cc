@@ -296,6 +296,27 @@ TEST_F(ServiceTest, AsyncReleaseReachesTheNodeWhileTheClientIsIdle) {
   EXPECT_EQ(node_->core().Stats().active_leases, 0u);
 }
 
+// A Put of a block the node holds at another length (another model or layout under the
+// same name) is told so for that block, ALREADY_EXISTS, and writes nothing; the other
+// blocks of the Put are stored. Before, the node answered already_present and the Put
+// reported the block stored, though a Lookup at its length missed it.
+TEST_F(ServiceTest, PutOfABlockHeldAtAnotherLengthSaysSo) {
+  const BlockHash h{0x1e47, 0xa11};
+  auto first = client_->Put({{PutItem{h, std::nullopt, StateKind::kAttnKv, Stage(9, 5000, 0), 5000}}});
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE((*first)[0].ok()) << (*first)[0];
+  const BlockHash other{0x1e47, 0xb22};
+  auto put = client_->Put({{PutItem{h, std::nullopt, StateKind::kAttnKv, Stage(10, 7000, 0), 7000},
+                            PutItem{other, h, StateKind::kAttnKv, Stage(11, 3000, 2), 3000}}});
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ((*put)[0].code(), absl::StatusCode::kAlreadyExists) << (*put)[0];
+  EXPECT_THAT(std::string((*put)[0].message()), ::testing::HasSubstr("stored here with length 5000, not 7000"));
+  EXPECT_TRUE((*put)[1].ok()) << (*put)[1];
+  EXPECT_EQ(node_->core().Inspect({h, StateKind::kAttnKv})->length, 5000u);
+  EXPECT_EQ(node_->core().Stats().reserved_bytes, 0u);
+  EXPECT_EQ(node_->core().Stats().pending_reservations, 0u);
+}
+
 TEST_F(ServiceTest, PutLookupGetThroughDramAndNvmeIsByteExact) {
   constexpr int kBlocks = 6;
   const std::vector<uint64_t> lengths = {200'000, 65'536, 1, 150'001, 131'072, 99'999};
@@ -395,6 +416,7 @@ TEST_F(ServiceTest, PutLookupGetThroughDramAndNvmeIsByteExact) {
 TEST_F(ServiceTest, WireErrorsNameFieldsAndCodes) {
   grpc::ClientContext c1;
   v1::LookupRequest lreq;
+  lreq.set_client_id("raw");
   lreq.add_block_hashes("short");
   lreq.set_kind(v1::STATE_KIND_ATTN_KV);
   v1::LookupResponse lresp;
@@ -404,6 +426,7 @@ TEST_F(ServiceTest, WireErrorsNameFieldsAndCodes) {
 
   grpc::ClientContext c2;
   v1::ReserveRequest rreq;
+  rreq.set_client_id("raw");
   auto* e = AddKvEntry(rreq, H(1), 65 * kNodePage);  // more than the whole DRAM tier
   v1::ReserveResponse rresp;
   s = stub_->Reserve(&c2, rreq, &rresp);
@@ -419,6 +442,7 @@ TEST_F(ServiceTest, WireErrorsNameFieldsAndCodes) {
   // A malformed hash is named by its entry and field, in Reserve and in Commit.
   {
     v1::ReserveRequest bad;
+    bad.set_client_id("raw");
     for (int i = 0; i < 3; ++i) AddKvEntry(bad, H(200 + i), 1000);
     bad.mutable_entries(1)->set_block_hash("short");
     grpc::ClientContext cb1;
@@ -433,6 +457,7 @@ TEST_F(ServiceTest, WireErrorsNameFieldsAndCodes) {
     EXPECT_THAT(s.error_message(), ::testing::HasSubstr("entries[2].parent_hash"));
     v1::CommitRequest bad_commit;
     bad_commit.set_reservation_id(12345);
+    bad_commit.set_client_id("raw");
     bad_commit.add_entries()->set_block_hash(H(1).ToBytes());
     bad_commit.add_entries()->set_block_hash("");
     v1::CommitResponse cresp;
@@ -454,6 +479,15 @@ TEST_F(ServiceTest, WireErrorsNameFieldsAndCodes) {
   ce->set_block_hash(H(1).ToBytes());
   ce->set_checksum(12345);
   v1::CommitResponse cresp;
+  {
+    // Another client's Commit of it is refused and settles nothing.
+    grpc::ClientContext other;
+    creq.set_client_id("other");
+    s = stub_->Commit(&other, creq, &cresp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+    EXPECT_THAT(s.error_message(), ::testing::HasSubstr("client_id \"other\""));
+    creq.set_client_id("raw");
+  }
   s = stub_->Commit(&c5, creq, &cresp);
   ASSERT_TRUE(s.ok());
   ASSERT_EQ(cresp.results_size(), 1);
@@ -467,6 +501,7 @@ TEST_F(ServiceTest, WireErrorsNameFieldsAndCodes) {
   grpc::ClientContext c6;
   v1::ReleaseRequest rel;
   rel.set_lease_id(777);
+  rel.set_client_id("raw");
   v1::ReleaseResponse relr;
   EXPECT_EQ(stub_->Release(&c6, rel, &relr).error_code(), grpc::StatusCode::NOT_FOUND);
 
@@ -483,8 +518,23 @@ TEST_F(ServiceTest, WireErrorsNameFieldsAndCodes) {
   grpc::ClientContext c8;
   v1::CommitRequest zero;
   expect_invalid(stub_->Commit(&c8, zero, &cresp), "reservation_id=0");
+  // client_id is required wherever a lease or reservation is made or settled.
+  grpc::ClientContext c8a, c8b, c8c, c8d;
+  v1::LookupRequest anonymous_lookup = lreq;
+  anonymous_lookup.clear_client_id();
+  expect_invalid(stub_->Lookup(&c8a, anonymous_lookup, &lresp), "client_id is 0 bytes");
+  v1::ReserveRequest anonymous_reserve = rreq;
+  anonymous_reserve.clear_client_id();
+  expect_invalid(stub_->Reserve(&c8b, anonymous_reserve, &rresp), "client_id is 0 bytes");
+  v1::CommitRequest anonymous_commit = creq;
+  anonymous_commit.clear_client_id();
+  expect_invalid(stub_->Commit(&c8c, anonymous_commit, &cresp), "client_id is 0 bytes");
+  v1::ReleaseRequest anonymous_release = rel;
+  anonymous_release.clear_client_id();
+  expect_invalid(stub_->Release(&c8d, anonymous_release, &relr), "client_id is 0 bytes");
   grpc::ClientContext c9;
   v1::LookupRequest many;
+  many.set_client_id("raw");
   for (int i = 0; i < 4097; ++i) many.add_block_hashes(H(i).ToBytes());
   expect_invalid(stub_->Lookup(&c9, many, &lresp), "block_hashes has 4097 entries");
   grpc::ClientContext c10;
@@ -494,6 +544,7 @@ TEST_F(ServiceTest, WireErrorsNameFieldsAndCodes) {
   expect_invalid(stub_->Reserve(&c10, named, &rresp), "client_id is 129 bytes");
   grpc::ClientContext c11;
   v1::ReserveRequest self;
+  self.set_client_id("raw");
   auto* se = self.add_entries();
   se->set_block_hash(H(9).ToBytes());
   se->set_parent_hash(H(9).ToBytes());
@@ -507,6 +558,7 @@ TEST_F(ServiceTest, WireErrorsNameFieldsAndCodes) {
 TEST_F(ServiceTest, FinalCommitSentFirstWaitsForThePartialOneItCounts) {
   grpc::ClientContext c1;
   v1::ReserveRequest rreq;
+  rreq.set_client_id("raw");
   for (int i = 0; i < 2; ++i) AddKvEntry(rreq, H(40 + i), 1000);
   v1::ReserveResponse rresp;
   ASSERT_TRUE(stub_->Reserve(&c1, rreq, &rresp).ok());
@@ -514,6 +566,7 @@ TEST_F(ServiceTest, FinalCommitSentFirstWaitsForThePartialOneItCounts) {
     grpc::ClientContext ctx;
     v1::CommitRequest creq;
     creq.set_reservation_id(rresp.reservation_id());
+    creq.set_client_id("raw");
     creq.set_partial(partial);
     creq.set_commits(commits);
     auto* ce = creq.add_entries();
@@ -670,6 +723,7 @@ TEST_F(ServiceTest, CorruptedPieceOfAPipelinedPutIsDroppedAndItsPagesFreed) {
     grpc::ClientContext ctx;
     v1::CommitRequest req;
     req.set_reservation_id(r.reservation_id());
+    req.set_client_id("raw");
     auto* ce = req.add_entries();
     ce->set_block_hash(h.ToBytes());
     ce->set_checksum(checksum);

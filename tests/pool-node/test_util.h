@@ -57,6 +57,7 @@ inline absl::Status Put(PoolCore& core, BlockHash h, std::optional<BlockHash> pa
   ReserveEntrySpec e{h, parent, kind, bytes.size()};
   auto r = core.Reserve({&e, 1});
   if (!r.ok()) return r.status();
+  if (!r->slots[0].status.ok()) return r->slots[0].status;  // stored at another length
   if (r->slots[0].already_present) return absl::OkStatus();
   core.CopyToRun(r->slots[0].run, Bytes(bytes));
   CommitEntrySpec c{h, Checksum64(Bytes(bytes))};

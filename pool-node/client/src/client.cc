@@ -175,6 +175,7 @@ void EndOpenReservations(v1::PoolNode::Stub& stub, int64_t rpc_timeout_ms, grpc:
     if (!open) continue;
     auto c = std::make_unique<CommitCall>();
     c->req.set_reservation_id(reserves[g]->resp.reservation_id());
+    c->req.set_client_id(reserves[g]->req.client_id());
     c->req.set_end_now(true);
     c->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(rpc_timeout_ms));
     c->reader = stub.PrepareAsyncCommit(&c->ctx, c->req, &cq);
@@ -480,6 +481,7 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
     std::future<absl::Status> done;    // valid while a transfer is in flight
   };
   std::vector<PieceTransfer> tx(pieces.size());
+  std::vector<absl::Status> refused(items.size());  // per item: the Reserve's answer for it, when not OK
   auto start_transfer = [&](size_t k) -> absl::Status {
     const size_t g = group_of[k];
     {
@@ -513,6 +515,10 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
     std::vector<transport::TransferOp> ops;
     for (size_t j = 0; j < n; ++j) {
       const v1::ReserveResult& r = rresp.results(static_cast<int>(first - group_first + j));
+      if (r.code() != 0) {  // e.g. ALREADY_EXISTS at another length: nothing reserved, nothing to write
+        refused[first + j] = absl::Status(static_cast<absl::StatusCode>(r.code()), r.message());
+        continue;
+      }
       if (r.already_present()) continue;
       const PutItem& it = items[first + j];
       transport::TransferOp op;
@@ -549,6 +555,7 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
     if (partial && tx[k].op_item.empty()) return absl::OkStatus();  // nothing to name
     auto c = std::make_unique<CommitCall>();
     c->req.set_reservation_id(reserves[g]->resp.reservation_id());
+    c->req.set_client_id(s_->opt.client_id);
     c->req.set_partial(partial);
     if (!partial) c->req.set_commits(group_commits[g] + 1);
     ++group_commits[g];
@@ -613,7 +620,7 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
     const PhaseTimer t(s_->put_final_wait_ns);
     WaitForCalls(cq, started - finished);
   }
-  std::vector<absl::Status> out(items.size());
+  std::vector<absl::Status> out = std::move(refused);
   for (size_t k = 0; k < pieces.size(); ++k) {
     if (!commits[k]) continue;
     absl::Status cs = FromGrpcStatus(commits[k]->status);
@@ -657,6 +664,7 @@ PutPhases PoolClient::put_phases() const {
 absl::Status PoolClient::Release(uint64_t lease_id) {
   v1::ReleaseRequest req;
   req.set_lease_id(lease_id);
+  req.set_client_id(s_->opt.client_id);
   v1::ReleaseResponse resp;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(s_->opt.rpc_timeout_ms));
@@ -667,6 +675,7 @@ void PoolClient::ReleaseAsync(uint64_t lease_id) {
   ReapReleases();
   auto* c = new ReleaseCall();
   c->req.set_lease_id(lease_id);
+  c->req.set_client_id(s_->opt.client_id);
   c->ctx.set_deadline(std::chrono::system_clock::now() +
                       std::chrono::milliseconds(s_->opt.rpc_timeout_ms));
   s_->releases_in_flight.fetch_add(1, std::memory_order_relaxed);

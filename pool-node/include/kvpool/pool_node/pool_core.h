@@ -126,7 +126,11 @@ struct ReserveEntrySpec {
 struct ReserveSlot {
   BlockHash hash;
   bool already_present = false;  // committed earlier: nothing to write
-  PageRunDesc run;               // where to write (empty when already_present)
+  PageRunDesc run;               // where to write (empty when already_present or !status.ok())
+  // ALREADY_EXISTS: the node holds (hash, kind) at another length (objects are
+  // immutable); nothing is reserved or to be written, and a Commit naming the entry gets
+  // this status.
+  absl::Status status;
 };
 
 struct Reservation {
@@ -162,6 +166,8 @@ struct LookupSpec {
   // Bytes the caller can use; 0 = any. An object of another length is a miss: not
   // promoted, leased or made more recent (LookupAnswer::other_length counts them).
   uint64_t object_length = 0;
+  // The lease's owner (LookupRequest.client_id): only a Release naming it ends the lease.
+  std::string client = {};
 };
 
 struct LookupAnswer {
@@ -230,8 +236,9 @@ class PoolCore {
   // for promotions unless spec.never_block (then UNAVAILABLE instead).
   absl::StatusOr<LookupAnswer> Lookup(const LookupSpec& spec);
   // Allocates page runs for the entries not already present, evicting if needed;
-  // RESOURCE_EXHAUSTED (nothing reserved) when they do not fit even after eviction.
-  absl::StatusOr<Reservation> Reserve(std::span<const ReserveEntrySpec> entries);
+  // RESOURCE_EXHAUSTED (nothing reserved) when they do not fit even after eviction. The
+  // reservation belongs to `client` (ReserveRequest.client_id): Commits must name it.
+  absl::StatusOr<Reservation> Reserve(std::span<const ReserveEntrySpec> entries, absl::string_view client = {});
   // Verifies and publishes the named entries of a reservation. A final Commit (`partial`
   // false) says how many Commits the reservation gets in all, itself included
   // (`commits`, 0 counts as 1); once that many are done the reservation ends and entries
@@ -240,13 +247,15 @@ class PoolCore {
   // (a client commits a large put piece by piece under one Reserve). `end_now` (final
   // Commits only; CommitRequest.end_now): the reservation ends once the Commits that
   // already came are done, even after an earlier final Commit counted more. NOT_FOUND
-  // for an unknown, ended or reclaimed reservation.
+  // for an unknown, ended or reclaimed reservation; PERMISSION_DENIED (nothing changed)
+  // when `client` is not the one that reserved it.
   absl::StatusOr<std::vector<CommitOutcome>> Commit(uint64_t reservation_id,
                                                     std::span<const CommitEntrySpec> entries,
                                                     bool partial = false, uint32_t commits = 1,
-                                                    bool end_now = false);
-  // Ends a lease. NOT_FOUND when it is unknown, expired or already released.
-  absl::Status Release(uint64_t lease_id);
+                                                    bool end_now = false, absl::string_view client = {});
+  // Ends a lease. NOT_FOUND when it is unknown, expired or already released;
+  // PERMISSION_DENIED (the lease stays) when `client` is not the one that took it.
+  absl::Status Release(uint64_t lease_id, absl::string_view client = {});
 
   // Copies an object's bytes out of the arena while its lease holds (tests and local
   // readers). FAILED_PRECONDITION once the lease expired or was released.
