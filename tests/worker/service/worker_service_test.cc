@@ -891,6 +891,58 @@ TEST(WorkerService, APoolFetchWaitsUntilItsRequestCanStart) {
   EXPECT_EQ(got->resp.recomputed_tokens(), 3u);
 }
 
+// A hybrid prompt whose blocks are all cached here but whose KDA checkpoint is not (an
+// import fills only the checkpoint it fetched: the one at 512 tokens, not the one at 256)
+// fetches the pool's checkpoint at 256 tokens: strict mode computes 138 prompt tokens
+// instead of all 394, replay mode fetches the 96 KiB state instead of replaying 256
+// tokens. Before, nothing was looked up once the local hit covered every usable block.
+TEST(WorkerService, APoolCheckpointBeforeTheLocalHitIsFetched) {
+  Cluster cl("ckpt-before-hit");
+  const std::string a = cl.StartNode("pool-a", 32 << 20, 0);
+  ASSERT_FALSE(a.empty());
+  std::mt19937 rng(29);
+  const Tokens blocks9 = RandomTokens(rng, 9 * 64, 512);
+  const Tokens first = Concat(blocks9, RandomTokens(rng, 5, 512));
+  const Tokens second = Concat(blocks9, RandomTokens(rng, 7, 512));
+  const Tokens third = Concat(Tokens(blocks9.begin(), blocks9.begin() + 6 * 64), RandomTokens(rng, 10, 512));
+  const std::vector<Answer> want = Oracle(cl, "tiny-hybrid", {third});
+
+  WorkerConfig wa;
+  wa.model = "tiny-hybrid";
+  wa.instance_id = "worker-a";
+  wa.pool_nodes = {a};
+  Client worker_a(cl.StartWorker(wa));
+  // Write-through: 9 blocks and the checkpoints at 256 and 512 tokens are in the pool.
+  ASSERT_TRUE(worker_a.Generate(first, 2).ok());
+
+  for (const std::string mode : {"strict", "replay"}) {
+    SCOPED_TRACE(mode);
+    WorkerConfig wb = wa;
+    wb.instance_id = "worker-b-" + mode;
+    wb.hybrid_mode = mode;
+    wb.fetch = "always";
+    wb.num_blocks = 64;
+    Client worker_b(cl.StartWorker(wb));
+    // Fetches the blocks and the checkpoint at 512 tokens; the one at 256 is not filled.
+    auto s = worker_b.Generate(second, 2);
+    ASSERT_TRUE(s.ok()) << s.status();
+    ASSERT_GT(s->resp.pool_hit_tokens(), 0u);
+    const auto fetched = [&] {
+      const v1::WorkerStats st = worker_b.Stats();
+      return st.bytes_moved_by_tier().at("fetched_dram") + st.bytes_moved_by_tier().at("fetched_nvme");
+    };
+    const uint64_t before = fetched();
+    auto t = worker_b.Generate(third, 2);  // 6 blocks cached here, no checkpoint among them
+    ASSERT_TRUE(t.ok()) << t.status();
+    EXPECT_EQ(t->output, want[0].output);
+    EXPECT_EQ(t->digest, want[0].digest);
+    EXPECT_EQ(fetched() - before, 96u * 1024) << "the checkpoint at 256 tokens was not fetched";
+    if (mode == "strict") {
+      EXPECT_EQ(t->resp.recomputed_tokens(), 394u - 256u);
+    }
+  }
+}
+
 // Polls the router until its in-flight decisions for `instance` reach `want`.
 uint64_t WaitInflight(router::RouterClient& rc, const std::string& instance, uint64_t want) {
   uint64_t n = UINT64_MAX;

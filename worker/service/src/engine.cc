@@ -348,11 +348,26 @@ void Engine::Admit(std::unique_ptr<Pending> p) {
     const std::vector<BlockHash> chain = runner_->HashPrompt(p->req.tokens, p->req.tenant_salt);
     int64_t local = 0;
     while (local < usable && block_pool_->GetCachedBlock(chain[static_cast<size_t>(local)]) != cache::kNoBlock) ++local;
+    // Hybrids: the local hit reaches only as far as the last checkpoint cached here
+    // (strict) or replays the KDA layers from it (replay); a pool checkpoint past it,
+    // even one at or before the local hit, saves that.
+    int64_t local_ckpt = 0;
+    bool ckpt_gap = false;
+    if (cfg_.spec.IsHybrid()) {
+      const int64_t every = cfg_.spec.checkpoint_tokens / b;
+      for (int64_t blk = local / every * every; blk >= every; blk -= every) {
+        if (block_pool_->GetCachedCheckpoint(chain[static_cast<size_t>(blk - 1)]) != cache::kNoBlock) {
+          local_ckpt = blk;
+          break;
+        }
+      }
+      ckpt_gap = local_ckpt + every <= local;
+    }
     const absl::Time t1 = MonotonicNow();
     p->local_hit_s = Seconds(t1 - t0);
     p->local_tokens = local * b;
-    if (local < usable) {
-      p->pool_tokens = FetchFromPool(chain, local, usable);
+    if (local < usable || ckpt_gap) {
+      p->pool_tokens = FetchFromPool(chain, local, local_ckpt, usable);
       p->pool_fetch_s = Seconds(MonotonicNow() - t1);
     }
   }
@@ -368,52 +383,65 @@ void Engine::Admit(std::unique_ptr<Pending> p) {
   running_[*id] = std::move(p);
 }
 
-int64_t Engine::FetchFromPool(const std::vector<BlockHash>& chain, int64_t local, int64_t usable) {
+int64_t Engine::FetchFromPool(const std::vector<BlockHash>& chain, int64_t local, int64_t local_ckpt,
+                              int64_t usable) {
   const int64_t b = cfg_.spec.block_tokens;
   const std::span<const BlockHash> rest(chain.data() + local, static_cast<size_t>(usable - local));
   const absl::Time t0 = MonotonicNow();
-  PoolLookup blocks = pool_->Lookup(rest, StateKind::kAttnKv, static_cast<uint64_t>(runner_->arena().page_bytes()));
+  PoolLookup blocks;
   int64_t run = 0;
-  while (run < static_cast<int64_t>(rest.size()) && blocks.found[static_cast<size_t>(run)]) ++run;
-  // Hybrids: the KDA state at the end of the fetched run comes from the nearest
-  // checkpoint at or before it (pool or local); replay covers the gap, strict mode
-  // stops the hit at the checkpoint, so only blocks up to it are worth fetching.
+  if (!rest.empty()) {
+    blocks = pool_->Lookup(rest, StateKind::kAttnKv, static_cast<uint64_t>(runner_->arena().page_bytes()));
+    while (run < static_cast<int64_t>(rest.size()) && blocks.found[static_cast<size_t>(run)]) ++run;
+  }
+  // Hybrids: the KDA state at the end of the hit (local blocks and the fetched run) comes
+  // from the nearest checkpoint at or before it, pool or local; replay covers the gap,
+  // strict mode stops the hit at the checkpoint, so only blocks up to it are worth
+  // fetching. Pool checkpoints past the local one count, at or before the local hit too.
   PoolLookup ckpts;
   std::vector<BlockHash> ckpt_hashes;
   int64_t ckpt_index = -1;  // index into ckpts.found of the checkpoint to fetch
-  if (cfg_.spec.IsHybrid() && run > 0) {
+  int64_t ckpt_blk = 0;     // its boundary, in blocks
+  if (cfg_.spec.IsHybrid()) {
     const int64_t every = cfg_.spec.checkpoint_tokens / b;  // blocks per checkpoint
-    for (int64_t blk = every; blk <= local + run; blk += every) {
-      if (blk > local) ckpt_hashes.push_back(chain[static_cast<size_t>(blk - 1)]);
-    }
+    const int64_t first = local_ckpt + every;               // ckpt_hashes[i] is at first + i * every
+    for (int64_t blk = first; blk <= local + run; blk += every) ckpt_hashes.push_back(chain[static_cast<size_t>(blk - 1)]);
     if (!ckpt_hashes.empty()) {
       ckpts = pool_->Lookup(ckpt_hashes, StateKind::kLinearState, static_cast<uint64_t>(runner_->arena().state_bytes()));
       for (int64_t i = static_cast<int64_t>(ckpt_hashes.size()) - 1; i >= 0; --i) {
         if (ckpts.found[static_cast<size_t>(i)]) {
           ckpt_index = i;
+          ckpt_blk = first + i * every;
           break;
         }
       }
     }
     if (cfg_.runner.hybrid_mode == cache::HybridHitMode::kStrict) {
-      const int64_t end = ckpt_index >= 0 ? (local / every + 1 + ckpt_index) * every : local;
+      const int64_t end = ckpt_index >= 0 ? ckpt_blk : local;
       run = std::max<int64_t>(0, std::min(run, end - local));
     }
   }
   const double lookup_s = Seconds(MonotonicNow() - t0);
   int64_t fetched_tokens = 0;
-  if (run > 0) {
-    const double bytes = static_cast<double>(run) * static_cast<double>(cfg_.spec.BlockBytes());
+  if (run > 0 || ckpt_index >= 0) {
+    // A checkpoint alone (at or before the local hit) saves the tokens from the local
+    // checkpoint to it: computed again in strict mode, replayed through the KDA layers
+    // otherwise (counted as computed: an upper bound on what it saves).
+    const double bytes = run > 0 ? static_cast<double>(run) * static_cast<double>(cfg_.spec.BlockBytes())
+                                 : static_cast<double>(runner_->arena().state_bytes());
+    const int64_t saved_tokens = run > 0 ? run * b : (ckpt_blk - local_ckpt) * b;
     bool fetch = cfg_.fetch == FetchMode::kAlways;
     if (cfg_.fetch == FetchMode::kAuto) {
       // Measured rates; before the first measurement, fetch (it is how they get measured).
       const double fetch_s = fetch_bytes_per_s_ > 0 ? fetch_overhead_s_ + bytes / fetch_bytes_per_s_ : 0;
-      const double recompute_s = recompute_tokens_per_s_ > 0 ? static_cast<double>(run * b) / recompute_tokens_per_s_ : 1e9;
+      const double recompute_s =
+          recompute_tokens_per_s_ > 0 ? static_cast<double>(saved_tokens) / recompute_tokens_per_s_ : 1e9;
       fetch = fetch_s < recompute_s;
     }
     if (fetch) {
-      // Blocks [0, local) are cached here; [local, local + run) come from the pool.
-      const size_t k = static_cast<size_t>(local + run);
+      // Blocks [0, local) are cached here; [local, local + run) come from the pool. A
+      // checkpoint alone is imported with the blocks up to it (all cached here).
+      const size_t k = static_cast<size_t>(run > 0 ? local + run : ckpt_blk);
       std::unique_ptr<bool[]> have(new bool[k]());
       for (size_t i = static_cast<size_t>(local); i < k; ++i) have[i] = true;
       std::vector<BlockHash> want_ckpt;
@@ -430,7 +458,7 @@ int64_t Engine::FetchFromPool(const std::vector<BlockHash>& chain, int64_t local
           which.push_back(static_cast<size_t>(s.chain_index - local));
           dst.push_back({static_cast<uint64_t>(s.page)});
         }
-        absl::Status got = pool_->Get(blocks, which, dst);
+        absl::Status got = which.empty() ? absl::OkStatus() : pool_->Get(blocks, which, dst);
         if (got.ok() && !plan->checkpoints.empty()) {
           std::vector<size_t> cw{static_cast<size_t>(ckpt_index)};
           std::vector<std::vector<uint64_t>> cd(1);

@@ -180,8 +180,12 @@ class Engine : public cache::KvEventSink {
   void Admit(std::unique_ptr<Pending> p);
   void AdmitAccounting(Pending& p);
   // Looks the prompt's blocks beyond the local hit up in the pool and lands the ones
-  // worth fetching in the arena. Returns prompt tokens fetched.
-  int64_t FetchFromPool(const std::vector<BlockHash>& chain, int64_t local_blocks, int64_t usable_blocks);
+  // worth fetching in the arena; for hybrids also the latest KDA checkpoint past the
+  // local one (`local_ckpt_blocks`: the last boundary at or before the local hit whose
+  // checkpoint is cached here, 0 for none), even at or before the local hit. Returns
+  // prompt tokens fetched.
+  int64_t FetchFromPool(const std::vector<BlockHash>& chain, int64_t local_blocks, int64_t local_ckpt_blocks,
+                        int64_t usable_blocks);
   void StepOnce();
   void Respond(Pending& p, absl::StatusOr<model::GenerateResult> r);
   void OffloadWriteThrough();
