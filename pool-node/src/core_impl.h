@@ -72,6 +72,7 @@ struct ReservedEntry {
 
 struct ReservationState {
   std::string client;  // ReserveRequest.client_id: only its Commits settle it
+  uint64_t pages = 0;  // DRAM pages its entries still hold (in Impl::pinned_by_client_)
   int64_t expires_ms = 0;
   uint32_t committing = 0;  // Commits between their claim and their publish: no expiry
   uint32_t claimed = 0;     // Commits that came (claimed their entries)
@@ -86,6 +87,7 @@ struct ReservationState {
 
 struct LeaseState {
   std::string client;  // LookupRequest.client_id: only its Release ends it
+  uint64_t pages = 0;  // DRAM pages of its objects (in Impl::pinned_by_client_)
   int64_t expires_ms = 0;
   std::vector<ObjectKey> keys;
 };
@@ -142,6 +144,15 @@ class PoolCore::Impl {
   // cannot guess another's id; the owner check in Commit and Release stops it anyway).
   uint64_t NewId() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::mt19937_64 id_gen_ ABSL_GUARDED_BY(mu_);
+  // DRAM pages each client holds under its leases and reservations (no entry at 0), for
+  // PoolOptions::max_client_pinned_bytes.
+  absl::flat_hash_map<std::string, uint64_t> pinned_by_client_ ABSL_GUARDED_BY(mu_);
+  // OK when `client` may pin `pages` more DRAM pages (`what`: "Lookup" or "Reserve"),
+  // else RESOURCE_EXHAUSTED naming the client, its pages and the cap.
+  absl::Status CheckClientRoom(const std::string& client, uint64_t pages, absl::string_view what) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PinnedByClient(const std::string& client, uint64_t pages) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UnpinnedByClient(const std::string& client, uint64_t pages) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t tick_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t used_by_kind_[kNumTiers][kNumKinds] ABSL_GUARDED_BY(mu_) = {};  // pages
   uint64_t reserved_by_kind_[kNumKinds] ABSL_GUARDED_BY(mu_) = {};        // pages
@@ -270,8 +281,10 @@ class PoolCore::Impl {
   std::string HeldBackNote() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EndLease(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends the entries' reservation of their pages; the pages go back to the allocator, or
-  // to `held` (appended) when given: the timeout's hold-back.
-  void FreeReservedEntry(ReservedEntry& e, std::vector<uint32_t>* held = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // to `held` (appended) when given: the timeout's hold-back. They leave the count of r's
+  // client (pinned_by_client_).
+  void FreeReservedEntry(ReservationState& r, ReservedEntry& e, std::vector<uint32_t>* held = nullptr)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeReservation(ReservationState& r, std::vector<uint32_t>* held = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Keeps reserved pages out of use for one more reserve timeout from `now`: a
   // one-sided write may still land in them (dram_held_back_bytes).

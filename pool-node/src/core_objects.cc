@@ -388,11 +388,12 @@ void PoolCore::Impl::EndLease(uint64_t id) {
       SyncHeld(*o);
     }
   }
+  UnpinnedByClient(it->second.client, it->second.pages);
   lease_expiry_.erase({it->second.expires_ms, id});
   leases_.erase(it);
 }
 
-void PoolCore::Impl::FreeReservedEntry(ReservedEntry& e, std::vector<uint32_t>* held) {
+void PoolCore::Impl::FreeReservedEntry(ReservationState& r, ReservedEntry& e, std::vector<uint32_t>* held) {
   if (e.pages.empty()) return;
   if (held != nullptr) {
     held->insert(held->end(), e.pages.begin(), e.pages.end());
@@ -400,11 +401,43 @@ void PoolCore::Impl::FreeReservedEntry(ReservedEntry& e, std::vector<uint32_t>* 
     alloc_[0]->Free(e.pages);
   }
   reserved_by_kind_[KindIndex(e.spec.kind)] -= e.pages.size();
+  r.pages -= e.pages.size();
+  UnpinnedByClient(r.client, e.pages.size());
   e.pages.clear();
 }
 
 void PoolCore::Impl::FreeReservation(ReservationState& r, std::vector<uint32_t>* held) {
-  for (ReservedEntry& e : r.entries) FreeReservedEntry(e, held);
+  for (ReservedEntry& e : r.entries) FreeReservedEntry(r, e, held);
+}
+
+absl::Status PoolCore::Impl::CheckClientRoom(const std::string& client, uint64_t pages,
+                                             absl::string_view what) const {
+  const uint64_t cap = opt_.max_client_pinned_bytes / page_bytes_;
+  if (cap == 0) return absl::OkStatus();
+  auto it = pinned_by_client_.find(client);
+  const uint64_t held = it == pinned_by_client_.end() ? 0 : it->second;
+  if (held + pages <= cap) return absl::OkStatus();
+  const std::string head = absl::StrCat("client_id \"", client, "\" holds ", held,
+                                        " DRAM pages under leases and reservations and this ", what, " would pin ",
+                                        pages, " more, above its cap of ", cap, " pages (--max-client-pinned=",
+                                        opt_.max_client_pinned_bytes, " bytes); nothing was ",
+                                        what == "Lookup" ? "leased" : "reserved", ": ");
+  if (pages > cap) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(head, "it can never fit alone; send fewer blocks per ", what));
+  }
+  return absl::ResourceExhaustedError(absl::StrCat(head, "release leases or finish puts, then retry"));
+}
+
+void PoolCore::Impl::PinnedByClient(const std::string& client, uint64_t pages) {
+  if (pages != 0) pinned_by_client_[client] += pages;
+}
+
+void PoolCore::Impl::UnpinnedByClient(const std::string& client, uint64_t pages) {
+  if (pages == 0) return;
+  auto it = pinned_by_client_.find(client);
+  it->second -= pages;  // present: PinnedByClient counted at least this many
+  if (it->second == 0) pinned_by_client_.erase(it);
 }
 
 void PoolCore::Impl::ExpireLocked(int64_t now) {

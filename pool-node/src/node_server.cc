@@ -84,7 +84,7 @@ absl::Status CheckDramFitsHost(uint64_t dram_bytes, const HostMemory& host) {
 absl::StatusOr<NodeConfig> ParseNodeFlags(int argc, char** argv) {
   NodeConfig cfg;
   CLI::App app{"kvpool-node: a pool node (DRAM + NVMe tiers over UCX, gRPC control plane)"};
-  std::string dram, page = "65536", nvme = "0", quota_kv = "0", quota_lin = "0";
+  std::string dram, page = "65536", nvme = "0", quota_kv = "0", quota_lin = "0", client_cap = "0";
   app.add_option("--listen", cfg.listen, "gRPC listen address host:port");
   app.add_option("--advertise", cfg.advertise, "address announced to the router (default --listen)");
   app.add_option("--node-id", cfg.pool.node_id, "node id (default: pool-<port>)");
@@ -101,6 +101,8 @@ absl::StatusOr<NodeConfig> ParseNodeFlags(int argc, char** argv) {
   app.add_option("--io-depth", cfg.pool.io_queue_depth, "io_uring queue depth (>= 32)");
   app.add_option("--quota-attn-kv", quota_kv, "DRAM quota for ATTN_KV objects (0: none)");
   app.add_option("--quota-linear-state", quota_lin, "DRAM quota for LINEAR_STATE objects (0: none)");
+  app.add_option("--max-client-pinned", client_cap,
+                 "DRAM one client may hold under leases and reservations, e.g. 8GiB (0: no cap)");
   kvpool::RequireDecimalIntegers(app);
   try {
     app.parse(argc, argv);
@@ -117,6 +119,7 @@ absl::StatusOr<NodeConfig> ParseNodeFlags(int argc, char** argv) {
   ASSIGN_OR_RETURN(cfg.pool.nvme_bytes, ParseBytes(nvme, "--nvme"));
   ASSIGN_OR_RETURN(cfg.pool.dram_quota_bytes[0], ParseBytes(quota_kv, "--quota-attn-kv"));
   ASSIGN_OR_RETURN(cfg.pool.dram_quota_bytes[1], ParseBytes(quota_lin, "--quota-linear-state"));
+  ASSIGN_OR_RETURN(cfg.pool.max_client_pinned_bytes, ParseBytes(client_cap, "--max-client-pinned"));
   if (!cfg.pool.nvme_dir.empty() && cfg.pool.nvme_bytes == 0) {
     return absl::InvalidArgumentError("--nvme-dir given without --nvme; set the NVMe tier size, e.g. --nvme=100GiB");
   }

@@ -84,6 +84,11 @@ absl::StatusOr<std::unique_ptr<PoolCore>> PoolCore::Create(PoolOptions options) 
           "): no object of that kind could be stored; give at least ", pb, " or 0 for no quota"));
     }
   }
+  if (options.max_client_pinned_bytes != 0 && options.max_client_pinned_bytes < pb) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max-client-pinned=", options.max_client_pinned_bytes, " is smaller than one page (--page-bytes=", pb,
+        "): no client could lease or reserve anything; give at least ", pb, " or 0 for no cap"));
+  }
   if (options.default_lease_ms == 0 || options.default_lease_ms > options.max_lease_ms) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--lease-ms=", options.default_lease_ms, " must be in 1..", options.max_lease_ms,
@@ -276,6 +281,10 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
   // Every victim is chosen before any is dropped: first what each kind's quota needs,
   // then what the tier still needs beyond the room those make. DRAM-only parents of
   // NVMe chains go last (EvictionPlan::spared).
+  if (absl::Status room = im.CheckClientRoom(rs.client, need, "Reserve"); !room.ok()) {
+    unpin();
+    return room;
+  }
   EvictionPlan plan;
   plan.tier = kD;
   const uint64_t dram_free = im.alloc_[kD]->free_pages();
@@ -325,6 +334,7 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
       auto pages = im.alloc_[kD]->Allocate(static_cast<uint32_t>(im.PagesFor(re.spec.length)));
       re.pages = std::move(*pages);  // fits: checked above
       im.reserved_by_kind_[KindIndex(re.spec.kind)] += re.pages.size();
+      rs.pages += re.pages.size();
       slot.run = PageRunDesc{re.pages, re.spec.length};
     }
     out.slots.push_back(std::move(slot));
@@ -333,6 +343,7 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
   rs.by_hash.reserve(rs.entries.size());
   for (uint32_t j = 0; j < rs.entries.size(); ++j) rs.by_hash.emplace(rs.entries[j].spec.hash, j);
   im.ExpiryOn(out.id, rs);
+  im.PinnedByClient(rs.client, rs.pages);
   im.reservations_.emplace(out.id, std::move(rs));
   return out;
 }
@@ -448,7 +459,7 @@ absl::StatusOr<std::vector<CommitOutcome>> PoolCore::Commit(uint64_t reservation
       // Wrong bytes may be a write still under way: its pages are held back like a
       // timed-out reservation's, not handed to the next object at once.
       std::vector<uint32_t> held;
-      im.FreeReservedEntry(re, &held);
+      im.FreeReservedEntry(rs, re, &held);
       im.HoldBack(std::move(held), im.clock_->NowMs());
       continue;
     }
@@ -458,7 +469,7 @@ absl::StatusOr<std::vector<CommitOutcome>> PoolCore::Commit(uint64_t reservation
       } else {
         im.Touch(*existing);
       }
-      im.FreeReservedEntry(re);
+      im.FreeReservedEntry(rs, re);
       continue;
     }
     auto obj = std::make_unique<Object>();
@@ -468,6 +479,8 @@ absl::StatusOr<std::vector<CommitOutcome>> PoolCore::Commit(uint64_t reservation
     obj->checksum = actual[i];
     Object* p = im.Insert(std::move(obj));
     im.reserved_by_kind_[KindIndex(key.kind)] -= re.pages.size();
+    rs.pages -= re.pages.size();
+    im.UnpinnedByClient(rs.client, re.pages.size());
     im.AddCopy(*p, kD, std::move(re.pages));
     re.pages.clear();
   }
@@ -526,6 +539,11 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
         break;
       }
       chain.push_back(key);
+    }
+    if (options_.max_client_pinned_bytes != 0) {  // the lease's pages, as if every hit lands
+      uint64_t pages = 0;
+      for (const ObjectKey& key : chain) pages += im.PagesFor(im.Find(key)->length);
+      RETURN_IF_ERROR(im.CheckClientRoom(spec.client, pages, "Lookup"));
     }
     if (spec.never_block) {  // changing nothing
       for (const ObjectKey& key : chain) {
@@ -681,6 +699,7 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
       break;
     }
     if (in_prefix) ++ans.prefix_blocks;
+    lease.pages += o->pages[kD].size();
     ++o->leases;
     im.SyncHeld(*o);
     im.Touch(*o);
@@ -694,6 +713,7 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
   if (!lease.keys.empty()) {
     ans.lease_id = im.NewId();
     lease.client = spec.client;
+    im.PinnedByClient(lease.client, lease.pages);
     ans.lease_expires_unix_ms = lease.expires_ms;
     ans.lease_ttl_ms = lease.expires_ms - now;
     im.lease_expiry_.emplace(lease.expires_ms, ans.lease_id);
@@ -831,6 +851,22 @@ absl::Status PoolCore::CheckIndex() const {
                                               leaves[t], " leaves"));
     }
   }
+  absl::flat_hash_map<std::string, uint64_t> by_client;
+  for (const auto& [id, lease] : im.leases_) by_client[lease.client] += lease.pages;
+  for (const auto& [id, r] : im.reservations_) {
+    uint64_t pages = 0;
+    for (const ReservedEntry& e : r.entries) pages += e.pages.size();
+    if (pages != r.pages) {
+      return absl::InternalError(absl::StrCat("reservation ", id, " holds ", pages, " pages; it counts ", r.pages));
+    }
+    by_client[r.client] += r.pages;
+  }
+  absl::erase_if(by_client, [](const auto& e) { return e.second == 0; });
+  if (by_client != im.pinned_by_client_) {
+    return absl::InternalError(absl::StrCat("leases and reservations hold pages of ", by_client.size(),
+                                            " clients; pinned_by_client_ counts ", im.pinned_by_client_.size(),
+                                            " clients, or other page counts"));
+  }
   return absl::OkStatus();
 }
 
@@ -889,6 +925,10 @@ std::string PoolCore::DescribeConfig() const {
       absl::StrAppend(&s, "  DRAM quota   ", StateKindName(static_cast<StateKind>(k)), " ",
                       options_.dram_quota_bytes[k], " bytes\n");
     }
+  }
+  if (options_.max_client_pinned_bytes != 0) {
+    absl::StrAppend(&s, "  per client   at most ", options_.max_client_pinned_bytes / page_bytes_,
+                    " DRAM pages under leases and reservations\n");
   }
   return s;
 }

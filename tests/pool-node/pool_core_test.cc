@@ -595,6 +595,11 @@ TEST_F(PoolCoreTest, ValidationNamesTheField) {
   bad.dram_quota_bytes = {4096, 0};
   EXPECT_TRUE(PoolCore::Create(bad).ok());
   bad.dram_quota_bytes = {0, 0};
+  // So would a per-client cap below one page, every Lookup and Reserve.
+  bad.max_client_pinned_bytes = 4095;
+  EXPECT_THAT(std::string(PoolCore::Create(bad).status().message()),
+              ::testing::HasSubstr("--max-client-pinned=4095"));
+  bad.max_client_pinned_bytes = 0;
   for (uint32_t lease : {0u, bad.max_lease_ms + 1}) {
     bad.default_lease_ms = lease;
     const absl::Status st = PoolCore::Create(bad).status();
@@ -804,6 +809,46 @@ TEST_F(PoolCoreTest, ReservationsAndLeasesBelongToTheirClient) {
   EXPECT_EQ(core->Inspect({H(1), StateKind::kAttnKv})->leases, 1u);
   EXPECT_TRUE(core->Release(lease->lease_id, "a").ok());
   EXPECT_EQ(core->Inspect({H(1), StateKind::kAttnKv})->leases, 0u);
+}
+
+// With a per-client cap (max_client_pinned_bytes), one client cannot pin the tier: a
+// Lookup or Reserve that would take its leased and reserved pages past the cap is
+// RESOURCE_EXHAUSTED naming the client, and pins nothing; other clients are served, and
+// the client is again once its leases end. Before, one client could lease every object.
+TEST_F(PoolCoreTest, OneClientCannotPinMoreThanItsCap) {
+  auto core = Make(8, {.max_client_pinned_bytes = 4 * kPage});
+  PutChain(*core, 1, 6, kPage);
+  auto a = core->Lookup({.hashes = {H(1), H(2), H(3), H(4)}, .client = "a"});
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto more = core->Lookup({.hashes = {H(5)}, .client = "a"});
+  EXPECT_EQ(more.status().code(), absl::StatusCode::kResourceExhausted) << more.status();
+  EXPECT_THAT(std::string(more.status().message()), ::testing::HasSubstr("client_id \"a\" holds 4 DRAM pages"));
+  EXPECT_EQ(core->Inspect({H(5), StateKind::kAttnKv})->leases, 0u);
+  const ReserveEntrySpec e{H(7), std::nullopt, StateKind::kAttnKv, kPage};
+  auto r = core->Reserve({&e, 1}, "a");
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  EXPECT_EQ(core->Stats().pending_reservations, 0u);
+
+  auto b = core->Lookup({.hashes = {H(5), H(6)}, .client = "b"});
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->objects.size(), 2u);
+  auto whole = core->Lookup({.hashes = {H(1), H(2), H(3), H(4), H(5)}, .client = "c"});
+  EXPECT_EQ(whole.status().code(), absl::StatusCode::kResourceExhausted) << whole.status();
+  EXPECT_THAT(std::string(whole.status().message()), ::testing::HasSubstr("can never fit alone"));
+  EXPECT_TRUE(core->CheckIndex().ok()) << core->CheckIndex();
+
+  ASSERT_TRUE(core->Release(a->lease_id, "a").ok());
+  auto again = core->Reserve({&e, 1}, "a");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(core->CheckIndex().ok()) << core->CheckIndex();
+  const std::string bytes = Pattern(7, kPage);
+  core->CopyToRun(again->slots[0].run, testing::Bytes(bytes));
+  const CommitEntrySpec c{H(7), Checksum64(testing::Bytes(bytes))};
+  auto done = core->Commit(again->id, {&c, 1}, false, 1, false, "a");
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_TRUE((*done)[0].status.ok()) << (*done)[0].status;
+  ASSERT_TRUE(core->Release(b->lease_id, "b").ok());
+  EXPECT_TRUE(core->CheckIndex().ok()) << core->CheckIndex();
 }
 
 // A Reserve entry that no eviction could ever fit (larger than the DRAM tier, or than its

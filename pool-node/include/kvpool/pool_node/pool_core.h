@@ -99,6 +99,10 @@ struct PoolOptions {
   uint32_t max_lease_ms = 600'000;
   // Optional DRAM quota per state kind, bytes (0 = none), indexed by KindIndex().
   std::array<uint64_t, kNumKinds> dram_quota_bytes = {0, 0};
+  // Optional cap on the DRAM one client (client_id) holds under its leases and
+  // reservations, bytes (0 = none; rounded down to pages): a Lookup or Reserve that would
+  // pass it is RESOURCE_EXHAUSTED, so one client cannot pin the tier for everyone else.
+  uint64_t max_client_pinned_bytes = 0;
   // Run expiry and demotion on a background thread every maintenance_interval_ms.
   // Tests turn it off and call RunMaintenance() themselves.
   bool background = true;
@@ -296,7 +300,8 @@ class PoolCore {
   PoolStatsSnapshot Stats() const;
   std::optional<ObjectInfo> Inspect(const ObjectKey& key) const;
   // Walks the whole index and checks what the core keeps incrementally: every object has
-  // a copy, the leaf sets, the per-tier child counts (core_impl.h, invariants 1, 2 and 7).
+  // a copy, the leaf sets, the per-tier child counts (core_impl.h, invariants 1, 2 and 7),
+  // and the DRAM pages each client holds under leases and reservations.
   // INTERNAL naming the first object that breaks one. O(objects x children): for tests.
   absl::Status CheckIndex() const;
   // Every visible copy, for a full event dump: fn(key, parent, tier).
