@@ -144,8 +144,8 @@ class PoolCore::Impl {
   // cannot guess another's id; the owner check in Commit and Release stops it anyway).
   uint64_t NewId() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::mt19937_64 id_gen_ ABSL_GUARDED_BY(mu_);
-  // DRAM pages each client holds under its leases and reservations (no entry at 0), for
-  // PoolOptions::max_client_pinned_bytes.
+  // DRAM pages each client holds under its leases and reservations, and those held back
+  // from its reservations (no entry at 0), for PoolOptions::max_client_pinned_bytes.
   absl::flat_hash_map<std::string, uint64_t> pinned_by_client_ ABSL_GUARDED_BY(mu_);
   // OK when `client` may pin `pages` more DRAM pages (`what`: "Lookup" or "Reserve"),
   // else RESOURCE_EXHAUSTED naming the client, its pages and the cap.
@@ -175,7 +175,14 @@ class PoolCore::Impl {
   // DRAM pages of reservations reclaimed at their timeout, unused for one more
   // reserve_timeout_ms: their client may still be writing (one-sided: nothing stops a
   // late write), and that write must land in no other object. (release time, pages).
-  std::deque<std::pair<int64_t, std::vector<uint32_t>>> dram_quarantine_ ABSL_GUARDED_BY(mu_);
+  // Still charged to the client whose reservation they were (pinned_by_client_): one
+  // that lets its reservations lapse must not reserve its cap again meanwhile.
+  struct HeldBack {
+    int64_t release_ms = 0;
+    std::vector<uint32_t> pages;
+    std::string client;
+  };
+  std::deque<HeldBack> dram_quarantine_ ABSL_GUARDED_BY(mu_);
   uint64_t dram_quarantined_pages_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t promotions_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t reclaimed_ ABSL_GUARDED_BY(mu_) = 0;
@@ -287,8 +294,10 @@ class PoolCore::Impl {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeReservation(ReservationState& r, std::vector<uint32_t>* held = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Keeps reserved pages out of use for one more reserve timeout from `now`: a
-  // one-sided write may still land in them (dram_held_back_bytes).
-  void HoldBack(std::vector<uint32_t> pages, int64_t now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // one-sided write may still land in them (dram_held_back_bytes). They stay charged to
+  // `client` (the reservation's) until then.
+  void HoldBack(std::vector<uint32_t> pages, int64_t now, const std::string& client)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<std::byte*> Addresses(const std::vector<uint32_t>& dram_pages) const;
   uint64_t Checksum(const std::vector<uint32_t>& dram_pages, uint64_t length) const;
   uint64_t PagesFor(uint64_t bytes) const { return (bytes + page_bytes_ - 1) / page_bytes_; }

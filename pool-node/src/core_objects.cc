@@ -446,9 +446,11 @@ void PoolCore::Impl::ExpireLocked(int64_t now) {
     EndLease(id);
     ++expired_leases_;
   }
-  while (!dram_quarantine_.empty() && dram_quarantine_.front().first <= now) {
-    alloc_[0]->Free(dram_quarantine_.front().second);
-    dram_quarantined_pages_ -= dram_quarantine_.front().second.size();
+  while (!dram_quarantine_.empty() && dram_quarantine_.front().release_ms <= now) {
+    HeldBack& h = dram_quarantine_.front();
+    alloc_[0]->Free(h.pages);
+    dram_quarantined_pages_ -= h.pages.size();
+    UnpinnedByClient(h.client, h.pages.size());
     dram_quarantine_.pop_front();
   }
   while (!reservation_expiry_.empty() && reservation_expiry_.begin()->first <= now) {
@@ -459,16 +461,17 @@ void PoolCore::Impl::ExpireLocked(int64_t now) {
     // Not freed yet: a client that missed the deadline may still write into them.
     std::vector<uint32_t> held;
     FreeReservation(it->second, &held);
-    HoldBack(std::move(held), now);
+    HoldBack(std::move(held), now, it->second.client);
     ++reclaimed_;
     reservations_.erase(it);
   }
 }
 
-void PoolCore::Impl::HoldBack(std::vector<uint32_t> pages, int64_t now) {
+void PoolCore::Impl::HoldBack(std::vector<uint32_t> pages, int64_t now, const std::string& client) {
   if (pages.empty()) return;
   dram_quarantined_pages_ += pages.size();
-  dram_quarantine_.emplace_back(now + opt_.reserve_timeout_ms, std::move(pages));
+  PinnedByClient(client, pages.size());
+  dram_quarantine_.push_back(HeldBack{now + opt_.reserve_timeout_ms, std::move(pages), client});
 }
 
 std::string PoolCore::Impl::HeldBackNote() const {

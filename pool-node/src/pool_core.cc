@@ -460,7 +460,7 @@ absl::StatusOr<std::vector<CommitOutcome>> PoolCore::Commit(uint64_t reservation
       // timed-out reservation's, not handed to the next object at once.
       std::vector<uint32_t> held;
       im.FreeReservedEntry(rs, re, &held);
-      im.HoldBack(std::move(held), im.clock_->NowMs());
+      im.HoldBack(std::move(held), im.clock_->NowMs(), rs.client);
       continue;
     }
     if (Object* existing = im.Find(key)) {  // committed meanwhile by another client
@@ -493,7 +493,7 @@ absl::StatusOr<std::vector<CommitOutcome>> PoolCore::Commit(uint64_t reservation
     // reserve timeout, as a timed-out reservation's are.
     std::vector<uint32_t> held;
     im.FreeReservation(rs, rs.ended_early ? &held : nullptr);
-    im.HoldBack(std::move(held), im.clock_->NowMs());
+    im.HoldBack(std::move(held), im.clock_->NowMs(), rs.client);
     im.ExpiryOff(reservation_id, rs);
     im.reservations_.erase(it);
   }
@@ -682,6 +682,25 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
   ans.other_length = other_length;
   absl::MutexLock l(&im.mu_);
   const int64_t now = im.clock_->NowMs();
+  if (options_.max_client_pinned_bytes != 0) {
+    // Again, on what is leased below: the lock was let go since the first check, and
+    // other calls of the same client may have pinned pages meanwhile.
+    uint64_t pages = 0;
+    for (const BlockHash& h : spec.hashes) {
+      const Object* o = im.Find(ObjectKey{h, spec.kind});
+      if (!visible(o) || !o->copy[kD]) {
+        if (spec.allow_gaps) continue;
+        break;
+      }
+      pages += o->pages[kD].size();
+    }
+    if (absl::Status room = im.CheckClientRoom(spec.client, pages, "Lookup"); !room.ok()) {
+      for (const ObjectKey& k : pinned) {
+        if (Object* o = im.Find(k)) im.Unpin(*o);
+      }
+      return room;
+    }
+  }
   LeaseState lease;
   lease.expires_ms = now + (spec.lease_ms ? spec.lease_ms : options_.default_lease_ms);
   bool in_prefix = true;
@@ -861,6 +880,7 @@ absl::Status PoolCore::CheckIndex() const {
     }
     by_client[r.client] += r.pages;
   }
+  for (const Impl::HeldBack& h : im.dram_quarantine_) by_client[h.client] += h.pages.size();
   absl::erase_if(by_client, [](const auto& e) { return e.second == 0; });
   if (by_client != im.pinned_by_client_) {
     return absl::InternalError(absl::StrCat("leases and reservations hold pages of ", by_client.size(),

@@ -851,6 +851,35 @@ TEST_F(PoolCoreTest, OneClientCannotPinMoreThanItsCap) {
   EXPECT_TRUE(core->CheckIndex().ok()) << core->CheckIndex();
 }
 
+// Pages held back from a client's lapsed or failed reservation (one more reserve
+// timeout: a late write may still land) stay charged to that client until they are
+// freed: a client that lets its reservations lapse cannot reserve its cap again
+// meanwhile and so keep twice its cap out of use.
+TEST_F(PoolCoreTest, HeldBackPagesStayChargedToTheirClient) {
+  auto core = Make(16, {.reserve_timeout_ms = 1000, .max_client_pinned_bytes = 4 * kPage});
+  const ReserveEntrySpec four{H(1), std::nullopt, StateKind::kAttnKv, 4 * kPage};
+  ASSERT_TRUE(core->Reserve({&four, 1}, "a").ok());
+  clock_.AdvanceMs(1001);  // reclaimed: its 4 pages are held back
+  const ReserveEntrySpec one{H(2), std::nullopt, StateKind::kAttnKv, kPage};
+  auto r = core->Reserve({&one, 1}, "a");
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  EXPECT_EQ(core->Stats().dram_held_back_bytes, 4 * kPage);
+  EXPECT_TRUE(core->CheckIndex().ok()) << core->CheckIndex();
+  // A failed checksum holds another client's pages back the same way.
+  auto b = core->Reserve({&one, 1}, "b");
+  ASSERT_TRUE(b.ok()) << b.status();
+  const CommitEntrySpec wrong{H(2), 1};
+  auto c = core->Commit(b->id, {&wrong, 1}, false, 1, false, "b");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ((*c)[0].status.code(), absl::StatusCode::kDataLoss);
+  EXPECT_TRUE(core->CheckIndex().ok()) << core->CheckIndex();
+  clock_.AdvanceMs(1001);  // both hold-backs end
+  auto again = core->Reserve({&four, 1}, "a");
+  EXPECT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(core->Stats().dram_held_back_bytes, 0u);
+  EXPECT_TRUE(core->CheckIndex().ok()) << core->CheckIndex();
+}
+
 // A Reserve entry that no eviction could ever fit (larger than the DRAM tier, or than its
 // kind's quota) is refused naming the entry and saying it can never fit (before: "retry
 // later", naming no entry), and nothing stored is touched.

@@ -56,6 +56,10 @@ class EventsReactor : public grpc::ServerReadReactor<v1::EventBatch> {
     std::string source;
     absl::StatusOr<EventBatch> b = BatchFromProto(batch_, &source);
     if (!b.ok()) {
+      if (source_.empty() && !source.empty()) {  // the stream's first batch: still its source's
+        registration_ = batch_.registration() != 0 ? batch_.registration() : host_->RegistrationOf(source);
+        source_ = source;
+      }
       Fail(b.status());
       return;
     }

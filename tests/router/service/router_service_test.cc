@@ -314,6 +314,7 @@ TEST_F(RouterServiceTest, BrokenStreamAsksItsSourceForADump) {
   RegisterWorker("w0");
   RegisterWorker("w1");
   RegisterWorker("w2");
+  RegisterWorker("w3");
   const auto hashes = hasher_->HashPrefix(Tokens(16 * 4, 31));
   auto stub = RawStub();
   auto heartbeat = [&](const std::string& id) {
@@ -345,8 +346,20 @@ TEST_F(RouterServiceTest, BrokenStreamAsksItsSourceForADump) {
 
   ASSERT_TRUE(client_->PublishEvents({Stored("w2", 1, hashes, 3)}).ok());  // half-closed
 
+  // A stream whose first batch is refused: the source (named, registered) had sent
+  // nothing else on it, and may send nothing more for long.
+  grpc::ClientContext first_ctx;
+  v1::PublishEventsResponse first_resp;
+  auto first = stub->PublishEvents(&first_ctx, &first_resp);
+  v1::EventBatch bad_first = Stored("w3", 1, hashes, 1);
+  bad_first.mutable_events(0)->mutable_stored()->set_block_hashes(0, "short");
+  first->Write(bad_first);
+  first->WritesDone();
+  EXPECT_EQ(first->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+
   ASSERT_TRUE(Eventually([&] { return heartbeat("w0"); })) << "a cancelled stream's source was not asked";
   ASSERT_TRUE(Eventually([&] { return heartbeat("w1"); })) << "a refused stream's source was not asked";
+  ASSERT_TRUE(Eventually([&] { return heartbeat("w3"); })) << "a stream refused at its first batch did not ask";
   EXPECT_FALSE(heartbeat("w2"));
   EXPECT_EQ(IndexBlocksOf("w0"), 4u);  // kept until the dump lands
 
@@ -592,8 +605,16 @@ TEST_F(RouterServiceTest, BadInputGetsClearErrorsAndOthersAreStillServed) {
   ASSERT_TRUE(unknown_hb.ok());
   EXPECT_TRUE(unknown_hb->unknown_source());
 
-  // After all that, the router still serves good requests and good events.
-  ASSERT_TRUE(client_->PublishEvents({Stored("w0", 1, hashes, 2)}).ok());
+  // After all that, the router still serves good requests and good events. The refused
+  // batches' streams ended in errors, so w0 is asked for a full dump (events written after
+  // a refused batch are never read), and its dump is applied.
+  hb.set_source_id("w0");
+  auto stale = client_->Heartbeat(hb);
+  ASSERT_TRUE(stale.ok()) << stale.status();
+  EXPECT_TRUE(stale->full_dump_requested());
+  v1::EventBatch dump = Stored("w0", 1, hashes, 2, /*dump=*/true);
+  dump.set_dump_sequence(1);
+  ASSERT_TRUE(client_->PublishEvents({dump}).ok());
   auto r = client_->Route(TokensRequest(Tokens(32, 4)));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->gpu_hit_blocks(), 2u);

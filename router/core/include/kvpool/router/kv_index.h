@@ -123,8 +123,9 @@ class KvIndex {
   ApplyResult ApplyDumpPart(SourceSlot slot, const EventBatch& batch, size_t begin, size_t end);
   // Applies one event ignoring sequence numbers (the indexer contract's apply_event).
   void ApplyEvent(SourceSlot slot, const KvEvent& event);
-  // Marks a started source stale (invariant 2) as a gap would: its events may have been
-  // lost after the last one applied. Returns whether it was not stale before.
+  // Marks the source at `slot` stale (invariant 2) as a gap would: its events may have
+  // been lost after the last one applied. Returns whether it became stale (false when it
+  // was already, or the slot was never started).
   bool MarkStale(SourceSlot slot);
 
   // Direct mutations (no sequence check): approximate mode and the simulator use these.
