@@ -418,7 +418,7 @@ absl::Status PoolCore::Impl::CheckClientRoom(const std::string& client, uint64_t
   const uint64_t held = it == pinned_by_client_.end() ? 0 : it->second;
   if (held + pages <= cap) return absl::OkStatus();
   const std::string head = absl::StrCat("client_id \"", client, "\" holds ", held,
-                                        " DRAM pages under leases and reservations and this ", what, " would pin ",
+                                        " DRAM pages under leases and reservations (held-back pages of its reservations included) and this ", what, " would pin ",
                                         pages, " more, above its cap of ", cap, " pages (--max-client-pinned=",
                                         opt_.max_client_pinned_bytes, " bytes); nothing was ",
                                         what == "Lookup" ? "leased" : "reserved", ": ");

@@ -275,16 +275,16 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
     }
     rs.entries.push_back(std::move(re));
   }
+  if (absl::Status room = im.CheckClientRoom(rs.client, need, "Reserve"); !room.ok()) {
+    unpin();
+    return room;
+  }
   // Decide whether eviction can make room before evicting anything: a Reserve that
   // cannot fit must not empty the cache on its way to RESOURCE_EXHAUSTED. The held
   // pages (leased, pinned, in flight) stay whatever is evicted; reserved pages too.
   // Every victim is chosen before any is dropped: first what each kind's quota needs,
   // then what the tier still needs beyond the room those make. DRAM-only parents of
   // NVMe chains go last (EvictionPlan::spared).
-  if (absl::Status room = im.CheckClientRoom(rs.client, need, "Reserve"); !room.ok()) {
-    unpin();
-    return room;
-  }
   EvictionPlan plan;
   plan.tier = kD;
   const uint64_t dram_free = im.alloc_[kD]->free_pages();
