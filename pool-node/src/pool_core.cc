@@ -677,6 +677,7 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
     }
   }
   for (auto& w : waits) w->WaitForNotification();
+  if (options_.lookup_between_locks) options_.lookup_between_locks();
   // Final answer: the prefix (or hits) now in DRAM, under one lease.
   LookupAnswer ans;
   ans.other_length = other_length;

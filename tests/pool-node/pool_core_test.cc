@@ -851,6 +851,33 @@ TEST_F(PoolCoreTest, OneClientCannotPinMoreThanItsCap) {
   EXPECT_TRUE(core->CheckIndex().ok()) << core->CheckIndex();
 }
 
+// Two Lookups of one client that both pass the cap's first check (each before the other
+// leased anything) cannot both lease: the cap is checked again where the lease is made.
+// Before, the second check did not exist, and the client held twice its cap.
+TEST_F(PoolCoreTest, ConcurrentLookupsOfOneClientStayWithinItsCap) {
+  PoolCore* self = nullptr;
+  bool nested = false;
+  absl::StatusOr<LookupAnswer> inner = absl::UnknownError("not run");
+  PoolOptions o{.max_client_pinned_bytes = 4 * kPage};
+  o.lookup_between_locks = [&] {
+    if (nested) return;
+    nested = true;  // one Lookup of the same client runs here, between the outer one's locks
+    inner = self->Lookup({.hashes = {H(5), H(6), H(7), H(8)}, .client = "a"});
+  };
+  auto core = Make(8, o);
+  self = core.get();
+  PutChain(*core, 1, 8, kPage);  // no Lookup: the hook has not run
+  ASSERT_FALSE(nested);
+  auto outer = core->Lookup({.hashes = {H(1), H(2), H(3), H(4)}, .client = "a"});
+  ASSERT_TRUE(nested);
+  ASSERT_TRUE(inner.ok()) << inner.status();
+  EXPECT_EQ(outer.status().code(), absl::StatusCode::kResourceExhausted) << outer.status();
+  EXPECT_EQ(core->Inspect({H(1), StateKind::kAttnKv})->leases, 0u);
+  EXPECT_TRUE(core->CheckIndex().ok()) << core->CheckIndex();
+  ASSERT_TRUE(core->Release(inner->lease_id, "a").ok());
+  EXPECT_TRUE(core->CheckIndex().ok()) << core->CheckIndex();
+}
+
 // Pages held back from a client's lapsed or failed reservation (one more reserve
 // timeout: a late write may still land) stay charged to that client until they are
 // freed: a client that lets its reservations lapse cannot reserve its cap again

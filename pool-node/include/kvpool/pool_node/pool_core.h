@@ -112,6 +112,10 @@ struct PoolOptions {
   // rewrite (compaction) while the node runs; an error fails that write as a failed
   // write(2) would. Empty: none.
   std::function<absl::Status(JournalWrite)> journal_write_fault = {};
+  // Tests: called by each Lookup between its first locked part (hits found, pinned, the
+  // per-client cap checked) and the last (the lease made), with no lock held: where
+  // another call may run between the two. Empty: none.
+  std::function<void()> lookup_between_locks = {};
   // May be null. Must outlive the core's last call to it: the end of the last API call
   // and StopBackground() (or the destructor), whichever comes later.
   EventSink* events = nullptr;
