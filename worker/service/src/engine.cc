@@ -424,11 +424,12 @@ int64_t Engine::FetchFromPool(const std::vector<BlockHash>& chain, int64_t local
   const double lookup_s = Seconds(MonotonicNow() - t0);
   int64_t fetched_tokens = 0;
   if (run > 0 || ckpt_index >= 0) {
-    // A checkpoint alone (at or before the local hit) saves the tokens from the local
-    // checkpoint to it: computed again in strict mode, replayed through the KDA layers
-    // otherwise (counted as computed: an upper bound on what it saves).
-    const double bytes = run > 0 ? static_cast<double>(run) * static_cast<double>(cfg_.spec.BlockBytes())
-                                 : static_cast<double>(runner_->arena().state_bytes());
+    // The fetch moves the run's blocks and the checkpoint's state. A checkpoint alone (at
+    // or before the local hit) saves the tokens from the local checkpoint to it: computed
+    // again in strict mode, replayed through the KDA layers otherwise (counted as
+    // computed: an upper bound on what it saves).
+    const double bytes = static_cast<double>(run) * static_cast<double>(cfg_.spec.BlockBytes()) +
+                         (ckpt_index >= 0 ? static_cast<double>(runner_->arena().state_bytes()) : 0.0);
     const int64_t saved_tokens = run > 0 ? run * b : (ckpt_blk - local_ckpt) * b;
     bool fetch = cfg_.fetch == FetchMode::kAlways;
     if (cfg_.fetch == FetchMode::kAuto) {
