@@ -193,8 +193,11 @@ absl::StatusOr<RouterCore::Registration> RouterHost::CheckRegistration(const Wor
                                                    "); send the RegisterResponse.registration of its latest Register"));
   }
   if (reg.id != w.registration) {
+    // Either this source registered again since, or the stream named an older id that was
+    // never its own (ids are global): the router keeps no history to tell them apart.
     return absl::AbortedError(absl::StrCat("source_id=\"", w.source_id, "\" registered again after this stream ",
-                                           "began; its events are dropped: publish on a stream opened after the ",
+                                           "began (registration=", w.registration, " is not its current one, ",
+                                           reg.id, "); its events are dropped: publish on a stream opened after the ",
                                            "latest Register, starting with a full dump"));
   }
   RETURN_IF_ERROR(RouterCore::CheckPublishes(w.source_id, reg));
