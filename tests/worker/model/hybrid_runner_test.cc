@@ -172,10 +172,17 @@ TEST_P(HybridRunnerTest, FailedFetchAcrossTwoCheckpointsLeavesNoHit) {
   bool have[9];
   std::fill(std::begin(have), std::end(have), true);
   const BlockHash at512[1] = {chain[2 * kCheckpoint / kBlock - 1]};
+  const int64_t free_before = b->cache().block_pool().num_free_blocks();
   auto plan = b->BeginImport(chain, have, at512);
   ASSERT_TRUE(plan.ok()) << plan.status();
   ASSERT_EQ(plan->blocks.size(), 9u);
   ASSERT_EQ(plan->checkpoints.size(), 1u);
+  // Only the checkpoint it brings bytes for is set aside (before, also the one at 256,
+  // and a live KDA state), so only 9 blocks and one state run are taken.
+  EXPECT_TRUE(plan->unfilled.empty());
+  EXPECT_EQ(plan->cached_checkpoints.size(), 1u);
+  EXPECT_EQ(b->cache().block_pool().num_free_blocks(),
+            free_before - 9 - b->arena().state_pages());
   ASSERT_TRUE(b->FinishImport(*plan, /*filled=*/false).ok());
   for (const BlockHash& h : chain) EXPECT_EQ(b->ExportBlock(h).status().code(), absl::StatusCode::kNotFound);
   for (int c : {kCheckpoint, 2 * kCheckpoint}) {

@@ -111,6 +111,7 @@ absl::Status KvCacheManager::AddRequest(RequestSpec spec) {
     r.hashes = std::move(spec.block_hashes);
   }
   r.num_known_tokens = r.num_prompt_tokens;
+  r.import_checkpoints = std::move(spec.import_checkpoints);
   requests_.emplace(spec.id, std::move(r));
   return absl::OkStatus();
 }
@@ -289,10 +290,17 @@ absl::StatusOr<SlotAllocation> KvCacheManager::AllocateSlots(RequestId id,
   const bool cow = r->allocated && num_new_tokens > 0 && r->num_slots % b != 0 &&
                    pool_.block(r->blocks.back()).ref_cnt > 1;
   const bool first = !r->allocated;
-  const int64_t live_pages = first && config_.layout.hybrid() ? state_pages : 0;
+  // An import computes nothing: no live state.
+  const int64_t live_pages = first && config_.layout.hybrid() && !r->import_checkpoints ? state_pages : 0;
   // The KDA state stands at the restored checkpoint (or 0) before the first step.
   const int64_t state_from = first ? (has_hit ? hit->checkpoint_tokens : 0) : r->num_slots;
   std::vector<int64_t> saves = CheckpointsToSave(*r, state_from, total);
+  if (r->import_checkpoints) {  // an import saves only the checkpoints it brings bytes for
+    const std::vector<BlockHash>& keep = *r->import_checkpoints;
+    std::erase_if(saves, [&](int64_t boundary) {
+      return std::find(keep.begin(), keep.end(), r->hashes[static_cast<size_t>(boundary / b - 1)]) == keep.end();
+    });
+  }
   // Touching a free hit block takes it off the free queue, so it counts against supply.
   int64_t touch_free = 0;
   if (has_hit) {

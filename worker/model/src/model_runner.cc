@@ -564,6 +564,10 @@ absl::StatusOr<ImportPlan> ModelRunner::BeginImport(std::span<const BlockHash> c
   // One token past the chain so the hit may cover every block.
   rs.num_prompt_tokens = static_cast<int64_t>(k) * b + 1;
   rs.block_hashes.assign(chain.begin(), chain.end());
+  // Saves only the checkpoints the caller brings bytes for (others would take state runs,
+  // evicting cached blocks, only to be evicted again; under page pressure they could push
+  // the wanted one out), and no live KDA state.
+  rs.import_checkpoints.emplace(checkpoints.begin(), checkpoints.end());
   RETURN_IF_ERROR(cache_->AddRequest(std::move(rs)));
   absl::StatusOr<cache::PrefixHit> hit = cache_->GetComputedBlocks(rid);
   absl::StatusOr<cache::SlotAllocation> alloc =

@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -47,6 +48,10 @@ struct RequestSpec {
   // num_prompt_tokens / block_tokens; fewer means the rest is never cached).
   int64_t num_prompt_tokens = 0;
   std::vector<BlockHash> block_hashes;
+  // Imports only (ModelRunner::BeginImport): the request lands fetched bytes and computes
+  // nothing, so it takes no live KDA state, and it saves KDA checkpoints only at these
+  // block hashes (those whose state the caller brings). nullopt: a normal request.
+  std::optional<std::vector<BlockHash>> import_checkpoints;
 };
 
 // The longest cached prefix of a request (GetComputedBlocks). Pass it unchanged to the

@@ -108,6 +108,7 @@ class KvCacheManager : public CacheManager {
     int64_t num_slots = 0;              // tokens with slots allocated
     int32_t num_cached_blocks = 0;      // blocks[0..n) are cached (or hits)
     BlockId live_state = kNoBlock;
+    std::optional<std::vector<BlockHash>> import_checkpoints;  // RequestSpec's
     bool token_mode = false;
     bool allocated = false;             // AllocateSlots ran at least once
   };
