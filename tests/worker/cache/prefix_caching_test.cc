@@ -95,6 +95,49 @@ TEST(PrefixCachingTest, HitIsCappedSoTheLastTokenIsRecomputed) {
   EXPECT_EQ(m->block_pool().num_cached_hashes(StateKind::kAttnKv), 3u);
 }
 
+// A hit handed to AllocateSlots is checked like GetComputedBlocks' own: one that covers
+// the last known token (whose logits give the next token) is refused. Before, a
+// hand-built hit of the whole prompt was accepted and left no token to compute.
+TEST(PrefixCachingTest, AHitOverTheLastKnownTokenIsRefused) {
+  auto m = MakeManager(PagedConfig(20, kB));
+  const auto prompt = Seq(0, 3 * kB);
+  Prefill(*m, TokenRequest(0, prompt));
+  const BlockId third = Table(*m, 0)[2];
+  ASSERT_TRUE(m->Free(0).ok());
+  ASSERT_TRUE(m->AddRequest(TokenRequest(1, prompt)).ok());
+  auto hit = m->GetComputedBlocks(1);
+  ASSERT_TRUE(hit.ok());
+  ASSERT_EQ(hit->blocks.size(), 2u);
+  PrefixHit whole = *hit;
+  whole.blocks.push_back(third);
+  whole.num_tokens = 3 * kB;
+  auto refused = m->AllocateSlots(1, 0, &whole);
+  EXPECT_FALSE(refused.ok());
+  EXPECT_THAT(std::string(refused.status().message()), ::testing::HasSubstr("last known token"));
+  EXPECT_TRUE(m->AllocateSlots(1, kB, &*hit).ok());
+}
+
+// Hashed mode takes block_hashes as they are: a tenant_salt or extra_keys beside them
+// would be ignored (no isolation), so it is refused naming the field.
+TEST(PrefixCachingTest, HashedRequestWithSaltOrExtraKeysIsRefused) {
+  auto m = MakeManager(PagedConfig(20, kB));
+  RequestSpec s;
+  s.id = 7;
+  s.num_prompt_tokens = 2 * kB;
+  s.block_hashes = {BlockHash{1, 2}, BlockHash{3, 4}};
+  s.tenant_salt = "tenant";
+  auto st = m->AddRequest(s);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("tenant_salt"));
+  s.tenant_salt.clear();
+  s.extra_keys = {5};
+  st = m->AddRequest(s);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("extra_keys"));
+  s.extra_keys.clear();
+  EXPECT_TRUE(m->AddRequest(s).ok());
+}
+
 // vLLM test_decode: a decode step allocates only when the last block is full, and the
 // step that fills a block hashes and caches it.
 TEST(PrefixCachingTest, DecodeAllocatesOnlyAtABlockBoundaryAndCachesFullBlocks) {

@@ -3,6 +3,7 @@
 #include "kvpool/worker/model/model_runner.h"
 
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -286,6 +287,12 @@ TEST_P(RunnerTest, BadRequestsNameTheField) {
   s = r->AddSequence(Req({1}, -1));
   EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.status().message().find("max_new_tokens=-1"), absl::string_view::npos);
+  // A max_new_tokens whose sum with the prompt overflows int64 (CheckSequence takes
+  // int64; before, the sum went negative and passed the max_model_len check).
+  const std::vector<TokenId> two = {1, 2};
+  const absl::Status huge = r->CheckSequence(two, std::numeric_limits<int64_t>::max());
+  EXPECT_EQ(huge.code(), absl::StatusCode::kInvalidArgument) << huge;
+  EXPECT_NE(huge.message().find("max_model_len=200"), absl::string_view::npos) << huge;
   RunnerOptions tiny;
   tiny.num_blocks = 3;  // 2 usable pages
   auto small = MakeRunner(preset(), tiny);

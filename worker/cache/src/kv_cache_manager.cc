@@ -107,6 +107,12 @@ absl::Status KvCacheManager::AddRequest(RequestSpec spec) {
             " repeats an earlier hash of the chain; each block's hash names its whole prefix"));
       }
     }
+    if (!spec.tenant_salt.empty() || !spec.extra_keys.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "request ", spec.id, " gives block_hashes with ", spec.tenant_salt.empty() ? "extra_keys" : "tenant_salt",
+          ", which only token mode uses (the hashes already carry them); hash them into block_hashes, or pass "
+          "prompt_tokens"));
+    }
     r.num_prompt_tokens = spec.num_prompt_tokens;
     r.hashes = std::move(spec.block_hashes);
   }
@@ -188,6 +194,8 @@ absl::Status KvCacheManager::ValidateHit(const Request& r, const PrefixHit& hit)
     return stale("num_tokens does not match the number of blocks");
   }
   if (hit.blocks.size() > r.hashes.size()) return stale("more blocks than the prompt has");
+  // The last known token is always computed (its logits give the next token).
+  if (hit.num_tokens > r.num_known_tokens - 1) return stale("covers the last known token, which must be computed");
   for (size_t i = 0; i < hit.blocks.size(); ++i) {
     const BlockId id = hit.blocks[i];
     if (id <= kNullBlockId || id >= pool_.num_blocks()) return stale("block id out of range");

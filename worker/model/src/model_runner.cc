@@ -179,12 +179,10 @@ absl::Status ModelRunner::CheckSequence(std::span<const TokenId> prompt, int64_t
     return absl::InvalidArgumentError(absl::StrCat(
         "max_new_tokens=", max_new_tokens, " must be >= 0 (0: prefill only)"));
   }
-  const int64_t total = n + max_new_tokens;
-  if (total > options_.max_model_len) {
+  if (max_new_tokens > options_.max_model_len - n) {  // not n + max_new_tokens: it may overflow
     return absl::InvalidArgumentError(absl::StrCat(
-        "prompt_tokens (", n, ") + max_new_tokens (", max_new_tokens, ") = ", total,
-        " exceeds max_model_len=", options_.max_model_len,
-        "; shorten the prompt or lower max_new_tokens"));
+        "prompt_tokens (", n, ") + max_new_tokens (", max_new_tokens, ") exceeds max_model_len=",
+        options_.max_model_len, "; shorten the prompt or lower max_new_tokens"));
   }
   const int64_t need = PagesNeeded(n, max_new_tokens);
   if (need > options_.num_blocks - 1) {
