@@ -519,19 +519,15 @@ TEST_F(ServiceTest, WireErrorsNameFieldsAndCodes) {
   v1::CommitRequest zero;
   expect_invalid(stub_->Commit(&c8, zero, &cresp), "reservation_id=0");
   // client_id is required wherever a lease or reservation is made or settled.
+  auto anonymous = [](auto req) {
+    req.clear_client_id();
+    return req;
+  };
   grpc::ClientContext c8a, c8b, c8c, c8d;
-  v1::LookupRequest anonymous_lookup = lreq;
-  anonymous_lookup.clear_client_id();
-  expect_invalid(stub_->Lookup(&c8a, anonymous_lookup, &lresp), "client_id is 0 bytes");
-  v1::ReserveRequest anonymous_reserve = rreq;
-  anonymous_reserve.clear_client_id();
-  expect_invalid(stub_->Reserve(&c8b, anonymous_reserve, &rresp), "client_id is 0 bytes");
-  v1::CommitRequest anonymous_commit = creq;
-  anonymous_commit.clear_client_id();
-  expect_invalid(stub_->Commit(&c8c, anonymous_commit, &cresp), "client_id is 0 bytes");
-  v1::ReleaseRequest anonymous_release = rel;
-  anonymous_release.clear_client_id();
-  expect_invalid(stub_->Release(&c8d, anonymous_release, &relr), "client_id is 0 bytes");
+  expect_invalid(stub_->Lookup(&c8a, anonymous(lreq), &lresp), "client_id is 0 bytes");
+  expect_invalid(stub_->Reserve(&c8b, anonymous(rreq), &rresp), "client_id is 0 bytes");
+  expect_invalid(stub_->Commit(&c8c, anonymous(creq), &cresp), "client_id is 0 bytes");
+  expect_invalid(stub_->Release(&c8d, anonymous(rel), &relr), "client_id is 0 bytes");
   grpc::ClientContext c9;
   v1::LookupRequest many;
   many.set_client_id("raw");
