@@ -98,6 +98,24 @@ TEST(BlockPoolTest, DuplicateHashStaysCachedUntilLastCopyGoes) {
   EXPECT_EQ(sink.events()[1].type, KvEvent::Type::kRemoved);
 }
 
+// A hit shares a copy in use rather than taking a free one off the queue: here the newer
+// copy (the chain head) was freed while the older one is still held.
+TEST(BlockPoolTest, CachedLookupPrefersACopyInUse) {
+  BlockPool pool({.num_blocks = 4});
+  const BlockId a = pool.GetNewBlock(), b = pool.GetNewBlock();
+  pool.CacheFullBlocks(std::vector<BlockId>{a}, std::vector<BlockHash>{H(5)}, std::nullopt);
+  pool.CacheFullBlocks(std::vector<BlockId>{b}, std::vector<BlockHash>{H(5)}, std::nullopt);
+  EXPECT_EQ(pool.GetCachedBlock(H(5)), b);  // both in use: the newest
+  pool.FreeBlock(b);
+  EXPECT_EQ(pool.GetCachedBlock(H(5)), a) << "the free copy would cost a page";
+  const int free_before = pool.num_free_blocks();
+  pool.Touch(pool.GetCachedBlock(H(5)));
+  EXPECT_EQ(pool.num_free_blocks(), free_before);
+  pool.FreeBlock(a);
+  pool.FreeBlock(a);
+  EXPECT_EQ(pool.GetCachedBlock(H(5)), b) << "none in use: the newest";
+}
+
 // The removed event names the page that held the last copy: a write-back tier copies
 // the bytes from there (the first copy's page may hold another block by then).
 TEST(BlockPoolTest, RemovedEventNamesThePageOfTheLastCopy) {

@@ -296,7 +296,14 @@ void BlockPool::CacheCheckpoint(BlockId head, const BlockHash& hash,
 
 BlockId BlockPool::GetCachedBlock(const BlockHash& hash) const {
   auto it = attn_cache_.find(hash);
-  return it == attn_cache_.end() ? kNoBlock : it->second;
+  if (it == attn_cache_.end()) return kNoBlock;
+  // A copy in use first: sharing it takes no page off the free queue, while touching a
+  // free copy would. The chain head is the newest copy, in use when it was cached, so the
+  // walk only goes on after that copy was freed while an older one is still held.
+  for (BlockId id = it->second; id != kNoBlock; id = blocks_[id].link) {
+    if (blocks_[id].ref_cnt > 0) return id;
+  }
+  return it->second;
 }
 
 BlockId BlockPool::GetCachedCheckpoint(const BlockHash& hash) const {
@@ -338,11 +345,11 @@ absl::StatusOr<int> BlockPool::EvictCached(const BlockHash& hash, StateKind kind
     dropped = 1;
   } else {
     std::vector<BlockId> free_copies;
-    BlockId id = GetCachedBlock(hash);
-    if (id == kNoBlock) {
+    auto it = attn_cache_.find(hash);
+    if (it == attn_cache_.end()) {
       return absl::NotFoundError(absl::StrCat("no block is cached under hash ", hash.ToHex()));
     }
-    for (; id != kNoBlock; id = blocks_[id].link) {
+    for (BlockId id = it->second; id != kNoBlock; id = blocks_[id].link) {  // every copy
       if (blocks_[id].ref_cnt == 0) free_copies.push_back(id);
     }
     if (free_copies.empty()) {

@@ -126,7 +126,7 @@ class BlockPool {
   // Registers a checkpoint run under the hash of the block ending at its boundary.
   // REQUIRES: no checkpoint cached under `hash`.
   void CacheCheckpoint(BlockId head, const BlockHash& hash, std::optional<BlockHash> parent);
-  // A block (any copy) cached under `hash`, or kNoBlock.
+  // A block cached under `hash` (a copy in use if there is one), or kNoBlock.
   BlockId GetCachedBlock(const BlockHash& hash) const;
   // The head of the checkpoint run cached under `hash`, or kNoBlock.
   BlockId GetCachedCheckpoint(const BlockHash& hash) const;
