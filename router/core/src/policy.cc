@@ -129,7 +129,12 @@ size_t Policy::Ttft(std::span<const Candidate> c) {
       [](size_t) { return true; });
 }
 
-void Policy::RememberSession(absl::string_view session_id, std::string instance_id) {
+size_t Policy::RoundRobin(uint32_t group, std::span<const Candidate> c) {
+  if (group >= rr_.size()) rr_.resize(size_t{group} + 1, 0);
+  return rr_[group]++ % c.size();
+}
+
+void Policy::RememberSession(std::string key, std::string instance_id) {
   if (sessions_.size() >= params_.max_sessions) {
     // Drop the older half: O(n) once per max_sessions/2 new sessions.
     std::vector<uint64_t> uses;
@@ -139,7 +144,7 @@ void Policy::RememberSession(absl::string_view session_id, std::string instance_
     const uint64_t median = uses[uses.size() / 2];
     absl::erase_if(sessions_, [&](const auto& kv) { return kv.second.last_use < median; });
   }
-  sessions_[std::string(session_id)] = Sticky{std::move(instance_id), ++session_clock_};
+  sessions_[std::move(key)] = Sticky{std::move(instance_id), ++session_clock_};
 }
 
 }  // namespace kvpool::router

@@ -519,7 +519,8 @@ absl::StatusOr<RouteDecision> RouterCore::Route(const RouteInput& in, absl::Time
           " s on all ", cands_.size(), " instances; retry later or add instances"));
     }
   }
-  const size_t i = policy_.Choose(kind, cands_, static_cast<uint32_t>(in.hashes.size()), in.session_id,
+  const size_t i = policy_.Choose(kind, static_cast<uint32_t>(model - models_.data()), cands_,
+                                  static_cast<uint32_t>(in.hashes.size()), in.session_id,
                                   [this](SourceSlot s) -> const std::string& { return sources_[s].info.id; });
   const Candidate& c = cands_[i];
   const Source& s = sources_[c.slot];

@@ -23,8 +23,8 @@ Candidate C(SourceSlot slot, uint32_t gpu, double load, double ttft = 1.0, uint6
 std::string Id(SourceSlot s) { return "w" + std::to_string(s); }
 
 size_t Pick(Policy& p, PolicyKind k, const std::vector<Candidate>& c, uint32_t total = 10,
-            absl::string_view session = "") {
-  return p.Choose(k, c, total, session, Id);
+            absl::string_view session = "", uint32_t group = 0) {
+  return p.Choose(k, group, c, total, session, Id);
 }
 
 TEST(PolicyTest, NamesRoundTrip) {
@@ -51,6 +51,31 @@ TEST(PolicyTest, RoundRobinCycles) {
   EXPECT_EQ(Pick(p, PolicyKind::kRoundRobin, c), 1u);
   EXPECT_EQ(Pick(p, PolicyKind::kRoundRobin, c), 2u);
   EXPECT_EQ(Pick(p, PolicyKind::kRoundRobin, c), 0u);
+}
+
+// Two models' requests alternate: each model's workers still take turns (one shared turn
+// sent every request of a model to the same worker), and a session id used on both
+// models sticks on each.
+TEST(PolicyTest, RoundRobinAndSessionsArePerGroup) {
+  Policy p({}, 1);
+  std::vector<Candidate> a = {C(0, 0, 0), C(1, 0, 0)}, b = {C(2, 0, 0), C(3, 0, 0)};
+  std::map<size_t, int> a_picks, b_picks;
+  for (int i = 0; i < 4; ++i) {
+    ++a_picks[Pick(p, PolicyKind::kRoundRobin, a, 10, "", 0)];
+    ++b_picks[Pick(p, PolicyKind::kRoundRobin, b, 10, "", 1)];
+  }
+  EXPECT_EQ(a_picks, (std::map<size_t, int>{{0, 2}, {1, 2}}));
+  EXPECT_EQ(b_picks, (std::map<size_t, int>{{0, 2}, {1, 2}}));
+
+  a = {C(0, 0, 2), C(1, 0, 1)};
+  b = {C(2, 0, 2), C(3, 0, 1)};
+  EXPECT_EQ(Pick(p, PolicyKind::kSession, a, 10, "s", 0), 1u);
+  EXPECT_EQ(Pick(p, PolicyKind::kSession, b, 10, "s", 1), 1u);
+  a = {C(0, 0, 0), C(1, 0, 5)};  // w1 now busiest: still sticky
+  b = {C(2, 0, 0), C(3, 0, 5)};
+  EXPECT_EQ(Pick(p, PolicyKind::kSession, a, 10, "s", 0), 1u);
+  EXPECT_EQ(Pick(p, PolicyKind::kSession, b, 10, "s", 1), 1u);
+  EXPECT_EQ(p.sessions(), 2u);
 }
 
 TEST(PolicyTest, RandomCoversAllAndIsSeeded) {

@@ -28,6 +28,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "kvpool/router/kv_index.h"
 
@@ -75,21 +76,24 @@ class Policy {
   Policy(PolicyParams params, uint64_t seed) : params_(params), rng_(seed) {}
 
   // Index into `candidates` of the chosen one. REQUIRES: !candidates.empty().
-  // `instance_id(slot)` names a slot (for the session map, which outlives slots).
+  // `group` names the candidate set (the router's model index): round-robin turns and
+  // sessions are kept per group, so one model's requests do not move another's turn, and
+  // a session id reused on two models sticks on each. `instance_id(slot)` names a slot
+  // (for the session map, which outlives slots).
   template <typename IdOf>
-  size_t Choose(PolicyKind kind, std::span<const Candidate> candidates, uint32_t total_blocks,
-                absl::string_view session_id, const IdOf& instance_id);
+  size_t Choose(PolicyKind kind, uint32_t group, std::span<const Candidate> candidates,
+                uint32_t total_blocks, absl::string_view session_id, const IdOf& instance_id);
 
   size_t LeastLoad(std::span<const Candidate> c);
   size_t CacheAware(std::span<const Candidate> c, uint32_t total_blocks);
   size_t Ttft(std::span<const Candidate> c);
   size_t Random(std::span<const Candidate> c);
-  size_t RoundRobin(std::span<const Candidate> c) { return rr_++ % c.size(); }
+  size_t RoundRobin(uint32_t group, std::span<const Candidate> c);
   size_t PowerOfTwo(std::span<const Candidate> c);
   size_t sessions() const { return sessions_.size(); }
 
  private:
-  void RememberSession(absl::string_view session_id, std::string instance_id);
+  void RememberSession(std::string key, std::string instance_id);
   // The best eligible candidate under the strict order `better(i, j)`; ties (neither
   // better) are broken uniformly with rng_. c.size() when none is eligible.
   template <typename Better, typename Eligible>
@@ -97,29 +101,30 @@ class Policy {
 
   PolicyParams params_;
   std::mt19937_64 rng_;
-  uint64_t rr_ = 0;
+  std::vector<uint64_t> rr_;  // next turn per group
   std::vector<double> scores_;  // cache_aware scratch, reused
   struct Sticky {
     std::string instance_id;
     uint64_t last_use;
   };
-  absl::flat_hash_map<std::string, Sticky> sessions_;
+  absl::flat_hash_map<std::string, Sticky> sessions_;  // key: group, ':', session id
   uint64_t session_clock_ = 0;
 };
 
 template <typename IdOf>
-size_t Policy::Choose(PolicyKind kind, std::span<const Candidate> c, uint32_t total_blocks,
-                      absl::string_view session_id, const IdOf& instance_id) {
+size_t Policy::Choose(PolicyKind kind, uint32_t group, std::span<const Candidate> c,
+                      uint32_t total_blocks, absl::string_view session_id, const IdOf& instance_id) {
   switch (kind) {
     case PolicyKind::kRandom: return Random(c);
-    case PolicyKind::kRoundRobin: return RoundRobin(c);
+    case PolicyKind::kRoundRobin: return RoundRobin(group, c);
     case PolicyKind::kLeastLoad: return LeastLoad(c);
     case PolicyKind::kPowerOfTwo: return PowerOfTwo(c);
     case PolicyKind::kCacheAware: return CacheAware(c, total_blocks);
     case PolicyKind::kTtft: return Ttft(c);
     case PolicyKind::kSession: {
       if (session_id.empty()) return LeastLoad(c);
-      auto it = sessions_.find(session_id);
+      std::string key = absl::StrCat(group, ":", session_id);
+      auto it = sessions_.find(key);
       if (it != sessions_.end()) {
         it->second.last_use = ++session_clock_;
         for (size_t i = 0; i < c.size(); ++i) {
@@ -127,7 +132,7 @@ size_t Policy::Choose(PolicyKind kind, std::span<const Candidate> c, uint32_t to
         }
       }
       const size_t i = LeastLoad(c);  // new session, or its instance is gone
-      RememberSession(session_id, std::string(instance_id(c[i].slot)));
+      RememberSession(std::move(key), std::string(instance_id(c[i].slot)));
       return i;
     }
   }
