@@ -327,10 +327,23 @@ std::vector<std::string> RouterCore::Tick(absl::Time now) {
 
 // ---- approximate mode ----------------------------------------------------------------
 
+uint32_t RouterCore::CheckpointBlocks(const Model& m) {
+  return m.spec.IsHybrid() && m.spec.checkpoint_tokens > 0
+             ? static_cast<uint32_t>(m.spec.checkpoint_tokens) / m.block_tokens
+             : 0;
+}
+
 void RouterCore::PredictBlocks(SourceSlot slot, std::span<const BlockHash> hashes, absl::Time now) {
   Source& s = sources_[slot];
   ExpirePredictions(s, slot, now);
   index_.Store(slot, BlockHash{}, hashes, Tier::kGpu);
+  // A hybrid worker also keeps the KDA checkpoints at the boundaries it computed: without
+  // them a strict router never saw a hit on it (and replay priced the whole hit as KDA
+  // replay). Each lives and goes with its boundary block's prediction (DropPrediction).
+  const uint32_t ckpt = CheckpointBlocks(models_[static_cast<size_t>(s.model)]);
+  for (size_t k = ckpt; ckpt > 0 && k <= hashes.size(); k += ckpt) {
+    index_.Store(slot, BlockHash{}, hashes.subspan(k - 1, 1), Tier::kGpu, StateKind::kLinearState);
+  }
   const absl::Time expiry = now + options_.approx_ttl;
   // Tail first: capacity eviction then drops a prediction's tail before its head (a head
   // dropped first left a tail that no prefix could match, held until its TTL).
@@ -361,8 +374,16 @@ void RouterCore::PredictBlocks(SourceSlot slot, std::span<const BlockHash> hashe
     auto it = s.approx.find(h);
     if (it != s.approx.end() && it->second == t) {
       s.approx.erase(it);
-      index_.Remove(slot, std::span<const BlockHash>(&h, 1), Tier::kGpu);
+      DropPrediction(slot, h);
     }
+  }
+}
+
+void RouterCore::DropPrediction(SourceSlot slot, const BlockHash& h) {
+  index_.Remove(slot, std::span<const BlockHash>(&h, 1), Tier::kGpu);
+  // The checkpoint predicted at this block, if it is a boundary (a no-op otherwise).
+  if (CheckpointBlocks(models_[static_cast<size_t>(sources_[slot].model)]) > 0) {
+    index_.Remove(slot, std::span<const BlockHash>(&h, 1), Tier::kGpu, StateKind::kLinearState);
   }
 }
 
@@ -373,7 +394,7 @@ void RouterCore::ExpirePredictions(Source& s, SourceSlot slot, absl::Time now) {
     auto it = s.approx.find(h);
     if (it != s.approx.end() && it->second == t) {  // not refreshed since
       s.approx.erase(it);
-      index_.Remove(slot, std::span<const BlockHash>(&h, 1), Tier::kGpu);
+      DropPrediction(slot, h);
     }
   }
 }
@@ -398,8 +419,8 @@ void RouterCore::ScoreCandidates(const Model& model, std::span<const BlockHash> 
   for (uint32_t i = 0; i < walked; ++i) {
     nvme_only[i + 1] = nvme_only[i] + ((match_.in_pool[i] != 0 && !(match_.in_pool[i] & dram_bit)) ? 1 : 0);
   }
-  const bool hybrid = spec.IsHybrid() && spec.checkpoint_tokens > 0;
-  const uint32_t ckpt = hybrid ? static_cast<uint32_t>(spec.checkpoint_tokens) / model.block_tokens : 0;
+  const uint32_t ckpt = CheckpointBlocks(model);
+  const bool hybrid = ckpt > 0;
   const double kda_fraction =
       hybrid ? static_cast<double>(spec.NumLayers(AttentionKind::kKda)) / spec.NumLayers() : 0;
   const double bytes_per_token = static_cast<double>(spec.KvBytesPerToken());

@@ -369,6 +369,36 @@ TEST_F(RouterCoreTest, ApproximateModePredictsFromDecisionsUntilTtl) {
   EXPECT_EQ(core_->index().entries(), 0u);
 }
 
+// An approximate-mode hybrid worker is predicted to hold the KDA checkpoints of what it
+// was routed, with the blocks they sit at: a strict router saw no hit on it before (no
+// checkpoint was ever predicted), a replay router priced the whole hit as KDA replay.
+TEST_F(RouterCoreTest, ApproximateModePredictsHybridCheckpoints) {
+  for (HybridMode mode : {HybridMode::kStrict, HybridMode::kReplay}) {
+    RouterOptions o;
+    o.models = {"tiny-hybrid"};  // 64-token blocks, a checkpoint every 4 blocks
+    o.policy = PolicyKind::kCacheAware;
+    o.hybrid_mode = mode;
+    o.approx_ttl = absl::Seconds(5);
+    Make(o);
+    Worker("a0", "tiny-hybrid", /*events=*/false);
+    auto h = Hash(Tokens(64 * 10, 3), "tiny-hybrid");  // 10 blocks: checkpoints at 4 and 8
+    RouteDecision first = Route(h, kT0, "", "tiny-hybrid");
+    core_->CompleteDecision(first.decision_id);
+    const SourceSlot a0 = static_cast<SourceSlot>(core_->SlotOf("a0"));
+    EXPECT_TRUE(core_->index().HasState(h[3], a0)) << HybridModeName(mode);
+    EXPECT_TRUE(core_->index().HasState(h[7], a0)) << HybridModeName(mode);
+    EXPECT_FALSE(core_->index().HasState(h[5], a0)) << HybridModeName(mode);
+    RouteDecision second = Route(h, kT0 + absl::Seconds(1), "", "tiny-hybrid");
+    EXPECT_EQ(second.gpu_hit_blocks, mode == HybridMode::kStrict ? 8u : 10u) << HybridModeName(mode);
+    core_->CompleteDecision(second.decision_id);
+    // The checkpoints expire with their blocks.
+    core_->Heartbeat("a0", {}, {}, kT0 + absl::Seconds(7));
+    core_->Tick(kT0 + absl::Seconds(7));
+    EXPECT_FALSE(core_->index().HasState(h[7], a0)) << HybridModeName(mode);
+    EXPECT_EQ(core_->index().entries(), 0u) << HybridModeName(mode);
+  }
+}
+
 // Routing one prompt again and again refreshes its predictions: the expiry queue is
 // rebuilt rather than grow by the prompt's length per decision until the TTL; a worker
 // that gave no capacity gets the index's bound on its predictions.

@@ -266,6 +266,10 @@ class RouterCore {
   void DropSource(SourceSlot slot);
   void PredictBlocks(SourceSlot slot, std::span<const BlockHash> hashes, absl::Time now);
   void ExpirePredictions(Source& s, SourceSlot slot, absl::Time now);
+  // Removes one predicted block of `slot`, and the checkpoint predicted at it if any.
+  void DropPrediction(SourceSlot slot, const BlockHash& h);
+  // Blocks per KDA checkpoint interval; 0 for a model without checkpoints.
+  static uint32_t CheckpointBlocks(const Model& m);
   // Fills cands_ (one per live worker of `model`) from one index walk.
   void ScoreCandidates(const Model& model, std::span<const BlockHash> hashes, uint64_t prompt_tokens);
 
