@@ -1,6 +1,7 @@
 #include "kvpool/router/router_core.h"
 
 #include <algorithm>
+#include <cmath>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -74,6 +75,10 @@ absl::StatusOr<std::unique_ptr<RouterCore>> RouterCore::Create(RouterOptions opt
   if (options.ttft_slo_s < 0) {
     return absl::InvalidArgumentError(absl::StrCat("ttft_slo_s=", options.ttft_slo_s,
                                                    " is negative; use 0 (off) or a positive value"));
+  }
+  if (!std::isfinite(options.ttft_decode_weight) || options.ttft_decode_weight < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("ttft_decode_weight=", options.ttft_decode_weight,
+                                                   " must be a finite number >= 0 (0 leaves decoding out)"));
   }
   if (options.heartbeat_timeout <= absl::ZeroDuration() || options.decision_timeout <= absl::ZeroDuration() ||
       options.approx_ttl <= absl::ZeroDuration()) {
@@ -493,7 +498,9 @@ void RouterCore::ScoreCandidates(const Model& model, std::span<const BlockHash> 
     c.load = load_.Requests(slot);
     c.queued_tokens = load_.QueuedTokens(slot);
     const double queue_s = options_.cost.PrefillSeconds(spec, static_cast<double>(c.queued_tokens));
-    c.est_ttft_s = queue_s + transfer_s + replay_s +
+    const double decode_s = options_.ttft_decode_weight *
+                            options_.cost.PrefillSeconds(spec, load_.Reported(slot).running_requests);
+    c.est_ttft_s = queue_s + decode_s + transfer_s + replay_s +
                    options_.cost.PrefillSeconds(spec, static_cast<double>(prompt_tokens) - hit_tokens);
     cands_.push_back(c);
   }

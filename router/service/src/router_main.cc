@@ -38,6 +38,9 @@ int RunRouterMain(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--ttft-slo", c.ttft_slo_s, "seconds; Route answers RESOURCE_EXHAUSTED when every estimate is above (0 = off)")
       ->capture_default_str();
+  app.add_option("--ttft-decode-weight", c.ttft_decode_weight,
+                 "ttft policy: a worker's running sequences count as this many prefill tokens each (0 = off)")
+      ->capture_default_str();
   app.add_option("--hybrid-mode", hybrid, "hybrid (KDA) hits: strict (stop at the last checkpoint) or replay")
       ->capture_default_str();
   app.add_option("--metrics-port", o.metrics_port, "Prometheus /metrics port (0 picks one, -1 off)")
@@ -126,7 +129,8 @@ int RunRouterMain(int argc, char** argv) {
   for (auto [flag, v] : {std::pair{"--overlap-weight", c.policy_params.overlap_weight},
                          std::pair{"--load-weight", c.policy_params.load_weight},
                          std::pair{"--balance-rel", c.policy_params.balance_rel},
-                         std::pair{"--balance-abs", c.policy_params.balance_abs}}) {
+                         std::pair{"--balance-abs", c.policy_params.balance_abs},
+                         std::pair{"--ttft-decode-weight", c.ttft_decode_weight}}) {
     if (!std::isfinite(v) || v < 0) return bad(absl::StrCat(flag, "=", v, " must be a finite number >= 0"));
   }
   if (!std::isfinite(c.ttft_slo_s) || c.ttft_slo_s < 0) {

@@ -188,6 +188,9 @@ absl::Status Simulation::Init() {
   ro.cost = cost_;
   ro.pool_dram_bandwidth = o_.pool_bandwidth;
   ro.hybrid_mode = router::HybridMode::kReplay;  // the cache manager's default hit mode
+  // Simulated instances only prefill (the request they report running is a prefill,
+  // counted in its queued tokens): no decode steps to cost.
+  ro.ttft_decode_weight = 0;
   ro.max_index_entries = std::max<size_t>(
       ro.max_index_entries,
       static_cast<size_t>(o_.instances) * static_cast<size_t>(o_.gpu_blocks) * 5 / 4 +

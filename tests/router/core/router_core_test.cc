@@ -161,6 +161,39 @@ TEST_F(RouterCoreTest, TtftAvoidsLongQueueDespiteHit) {
   EXPECT_EQ(Route(h).instance_id, "w0");
 }
 
+// The step that prefills a request also decodes a token of every sequence its worker is
+// running: w0 holds the whole prompt but runs 64 sequences, more than the 31 tokens a miss
+// on idle w1 computes. Before, the estimate had no decode term and w0 looked idle.
+TEST_F(RouterCoreTest, TtftCountsTheDecodeOfRunningSequences) {
+  const double per_token = CostModel{}.PrefillSeconds(*ResolveModelSpec("llama-3.3-70b"), 1);
+  for (double weight : {1.0, 0.0}) {
+    RouterOptions o;
+    o.models = {"llama-3.3-70b"};
+    o.policy = PolicyKind::kTtft;
+    o.ttft_decode_weight = weight;
+    Make(o);
+    seq_.clear();
+    Worker("w0");
+    Worker("w1");
+    auto h = Hash(Tokens(16 * 2, 9));
+    Store("w0", h, 2);
+    core_->Heartbeat("w0", Load(64, 0), {}, kT0);
+    RouteDecision d = Route(h);
+    EXPECT_EQ(d.instance_id, weight > 0 ? "w1" : "w0") << "weight " << weight;
+    core_->CompleteDecision(d.decision_id);
+    core_->Heartbeat("w0", Load(8, 0), {}, kT0);
+    core_->Heartbeat("w1", Load(64, 0), {}, kT0);
+    d = Route(h);
+    EXPECT_EQ(d.instance_id, "w0") << "weight " << weight;
+    EXPECT_NEAR(d.estimated_ttft_s, (1 + weight * 8) * per_token, 1e-9) << "weight " << weight;
+  }
+  RouterOptions bad;
+  bad.ttft_decode_weight = -1;
+  auto c = RouterCore::Create(bad);
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("ttft_decode_weight"), absl::string_view::npos) << c.status();
+}
+
 TEST_F(RouterCoreTest, TtftSloRejectsWithResourceExhausted) {
   RouterOptions o;
   o.models = {"llama-3.3-70b"};

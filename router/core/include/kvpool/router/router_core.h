@@ -68,6 +68,11 @@ struct RouterOptions {
   // (each source costs per-slot state in the index and the load table).
   size_t max_sources = 65536;
   double ttft_slo_s = 0;             // > 0: Route answers RESOURCE_EXHAUSTED above it
+  // ttft: the step that prefills a request also decodes one token of each sequence its
+  // worker is running (reported running_requests), costed as that many prefill tokens
+  // times this weight (compute only: the marginal cost of those tokens in the step).
+  // 0 leaves decoding out (an instance busy decoding looked idle).
+  double ttft_decode_weight = 1.0;
   HybridMode hybrid_mode = HybridMode::kStrict;
   absl::Duration heartbeat_interval = absl::Seconds(1);
   absl::Duration heartbeat_timeout = absl::Seconds(10);  // missed for this long: dropped
