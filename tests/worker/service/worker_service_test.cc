@@ -512,6 +512,53 @@ TEST(WorkerService, RequestsWaitingBehindAFailedStepAreToldToGoElsewhere) {
   EXPECT_EQ(forwards.load(), 1) << "the waiting request never ran";
 }
 
+// The load a worker reports counts a waiting request's prompt less the prefix cached
+// there (queued_prefill_tokens: tokens still to be prefilled). The router counts its own
+// decisions net of the hit; before, the full prompt was reported, so the heartbeat that
+// replaced a decision made the worker holding the prefix look the busiest.
+TEST(WorkerService, QueuedPrefillTokensLeaveOutTheCachedPrefix) {
+  Cluster cl("queued-net");
+  std::atomic<bool> slow{false};
+  WorkerConfig wc;
+  wc.instance_id = "worker-n";
+  wc.max_running = 1;  // a second request waits while the first decodes
+  wc.forward_fault = [&slow]() -> absl::Status {
+    if (slow) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    return absl::OkStatus();
+  };
+  Client w(cl.StartWorker(wc));
+  std::mt19937 rng(31);
+  const Tokens prefix = RandomTokens(rng, 16 * 8, 512);     // 8 blocks of tiny-gqa
+  ASSERT_TRUE(w.Generate(Concat(prefix, {7}), 1).ok());       // caches them
+  const Tokens waiting = Concat(prefix, RandomTokens(rng, 40, 512));  // 168 tokens, 128 cached
+  slow = true;
+  absl::StatusOr<Answer> first, second;
+  std::thread t1([&] { first = w.Generate(RandomTokens(rng, 20, 512), 400); });
+  for (int i = 0; i < 5000 && w.Stats().load().running_requests() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  std::thread t2([&] { second = w.Generate(waiting, 1); });
+  // Bounded wait for the engine to take the second request in (it counts whole while it is
+  // still in the arrival queue): 40 tokens from then on, 168 before the fix.
+  bool saw_net = false;
+  uint64_t last = 0;  // queued_prefill_tokens last seen while the request waited
+  for (int i = 0; i < 5000 && !saw_net; ++i) {
+    const v1::WorkerStats st = w.Stats();
+    if (st.load().waiting_requests() == 1 && st.load().running_requests() == 1) {  // behind the first
+      last = st.load().queued_prefill_tokens();
+      saw_net = last == 40;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_TRUE(saw_net) << "queued_prefill_tokens while it waited: " << last << " (want 40: 168 less 128 cached)";
+  slow = false;
+  t1.join();
+  t2.join();
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->resp.gpu_hit_tokens(), 128u);
+}
+
 // Shutdown lets a request already in the worker finish (drain), turns new ones away
 // UNAVAILABLE and says NOT_SERVING first. Before, the gRPC server stopped first and
 // cancelled every call still running after 2 s: this 3 s request got CANCELLED.

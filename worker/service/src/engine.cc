@@ -302,13 +302,42 @@ void Engine::Answer(Pending& p, absl::StatusOr<v1::GenerateResponse> r) {
   p.done(std::move(r));
 }
 
+Engine::LocalHit Engine::FindLocalHit(const std::vector<BlockHash>& chain, int64_t usable) const {
+  LocalHit hit;
+  while (hit.blocks < usable && block_pool_->GetCachedBlock(chain[static_cast<size_t>(hit.blocks)]) != cache::kNoBlock) {
+    ++hit.blocks;
+  }
+  if (cfg_.spec.IsHybrid()) {
+    const int64_t every = cfg_.spec.checkpoint_tokens / cfg_.spec.block_tokens;
+    for (int64_t blk = hit.blocks / every * every; blk >= every; blk -= every) {
+      if (block_pool_->GetCachedCheckpoint(chain[static_cast<size_t>(blk - 1)]) != cache::kNoBlock) {
+        hit.checkpoint = blk;
+        break;
+      }
+    }
+  }
+  return hit;
+}
+
 void Engine::TakeIncoming(std::deque<std::unique_ptr<Pending>> incoming) {
   for (auto& p : incoming) {
+    const int64_t n = static_cast<int64_t>(p->req.tokens.size());
+    p->prefill_tokens = n;
     if (runner_ != nullptr) {
       const absl::Status bad = runner_->CheckSequence(p->req.tokens, p->req.max_new_tokens);
       if (!bad.ok()) {
         Answer(*p, bad);
         continue;
+      }
+      // While it waits, its load counts the prompt less the prefix cached here now (the
+      // router counts a decision's tokens net of its hit; the full prompt, reported, made
+      // the worker holding a prefix look the busiest). The chain is kept for Admit.
+      const int64_t usable = (n - 1) / cfg_.spec.block_tokens;
+      if (cfg_.runner.enable_prefix_caching && usable > 0) {
+        p->chain = runner_->HashPrompt(p->req.tokens, p->req.tenant_salt);
+        const LocalHit hit = FindLocalHit(p->chain, usable);
+        const bool strict = cfg_.spec.IsHybrid() && cfg_.runner.hybrid_mode == cache::HybridHitMode::kStrict;
+        p->prefill_tokens = n - (strict ? hit.checkpoint : hit.blocks) * cfg_.spec.block_tokens;
       }
     }
     backlog_.push_back(std::move(p));
@@ -345,24 +374,14 @@ void Engine::Admit(std::unique_ptr<Pending> p) {
   const int64_t usable = (n - 1) / b;
   if (cfg_.runner.enable_prefix_caching && pool_ != nullptr && usable > 0 && cfg_.fetch != FetchMode::kNever) {
     const absl::Time t0 = MonotonicNow();
-    const std::vector<BlockHash> chain = runner_->HashPrompt(p->req.tokens, p->req.tenant_salt);
-    int64_t local = 0;
-    while (local < usable && block_pool_->GetCachedBlock(chain[static_cast<size_t>(local)]) != cache::kNoBlock) ++local;
+    const std::vector<BlockHash> chain =
+        p->chain.empty() ? runner_->HashPrompt(p->req.tokens, p->req.tenant_salt) : std::move(p->chain);
     // Hybrids: the local hit reaches only as far as the last checkpoint cached here
     // (strict) or replays the KDA layers from it (replay); a pool checkpoint past it,
     // even one at or before the local hit, saves that.
-    int64_t local_ckpt = 0;
-    bool ckpt_gap = false;
-    if (cfg_.spec.IsHybrid()) {
-      const int64_t every = cfg_.spec.checkpoint_tokens / b;
-      for (int64_t blk = local / every * every; blk >= every; blk -= every) {
-        if (block_pool_->GetCachedCheckpoint(chain[static_cast<size_t>(blk - 1)]) != cache::kNoBlock) {
-          local_ckpt = blk;
-          break;
-        }
-      }
-      ckpt_gap = local_ckpt + every <= local;
-    }
+    const LocalHit hit = FindLocalHit(chain, usable);
+    const int64_t local = hit.blocks, local_ckpt = hit.checkpoint;
+    const bool ckpt_gap = cfg_.spec.IsHybrid() && local_ckpt + cfg_.spec.checkpoint_tokens / b <= local;
     const absl::Time t1 = MonotonicNow();
     p->local_hit_s = Seconds(t1 - t0);
     p->local_tokens = local * b;
@@ -370,6 +389,8 @@ void Engine::Admit(std::unique_ptr<Pending> p) {
       p->pool_tokens = FetchFromPool(chain, local, local_ckpt, usable);
       p->pool_fetch_s = Seconds(MonotonicNow() - t1);
     }
+    const bool strict = cfg_.spec.IsHybrid() && cfg_.runner.hybrid_mode == cache::HybridHitMode::kStrict;
+    p->prefill_tokens = n - std::min(n - 1, (strict ? local_ckpt : local) * b + p->pool_tokens);
   }
   model::GenerateRequest g;
   g.prompt_tokens = p->req.tokens;
@@ -813,11 +834,11 @@ void Engine::UpdateLoad() {
   const int waiting_runner = runner_ ? runner_->NumWaiting() : 0;
   uint64_t queued_tokens = 0;
   for (const auto& [id, p] : running_) {
-    if (!p->started) queued_tokens += p->req.tokens.size();
+    if (!p->started) queued_tokens += static_cast<uint64_t>(p->prefill_tokens);
   }
   const double usage = u.total_blocks > 0 ? static_cast<double>(u.used_blocks) / u.total_blocks : 0;
   m_usage_->Set(usage);
-  for (const auto& p : backlog_) queued_tokens += p->req.tokens.size();
+  for (const auto& p : backlog_) queued_tokens += static_cast<uint64_t>(p->prefill_tokens);
   // Every request in the engine counts in the load set here, which the next heartbeat
   // reports: its routing decision is released by that same heartbeat (the publisher
   // takes the completed decisions before it reads the load). Released only at prefill's
@@ -831,6 +852,7 @@ void Engine::UpdateLoad() {
   };
   {
     absl::MutexLock l(&mu_);
+    // Not taken in yet (the next loop iteration does): their whole prompts.
     for (const auto& p : queue_) queued_tokens += p->req.tokens.size();
     load_.set_running_requests(static_cast<uint32_t>(running_.size()) - static_cast<uint32_t>(waiting_runner));
     load_.set_waiting_requests(

@@ -161,6 +161,10 @@ class Engine : public cache::KvEventSink {
     bool started = false;
     bool decision_released = false;  // CompleteDecision sent (counted in the load, or ended)
     int64_t counted_tokens = 0;      // in in_engine_tokens_ until answered
+    // Prompt tokens it is expected to compute (the load's queued_prefill_tokens): all but
+    // its prefix cached here when it arrived, then its hit once admitted. An estimate.
+    int64_t prefill_tokens = 0;
+    std::vector<BlockHash> chain;    // its prompt's block hashes, when computed on arrival
     bool Cancelled() const { return req.cancelled != nullptr && req.cancelled->load(std::memory_order_relaxed); }
   };
   struct MirrorEntry {
@@ -176,6 +180,13 @@ class Engine : public cache::KvEventSink {
   // as free blocks the running sequences' allocations evict: fetched, then recomputed.
   // Requests the runner would refuse (sizes, token ids) are answered at once.
   void TakeIncoming(std::deque<std::unique_ptr<Pending>> incoming);
+  // Blocks of `chain[0, usable)` cached here from the start, and the last KDA checkpoint
+  // boundary among them (hybrids; 0 otherwise), in blocks.
+  struct LocalHit {
+    int64_t blocks = 0;
+    int64_t checkpoint = 0;
+  };
+  LocalHit FindLocalHit(const std::vector<BlockHash>& chain, int64_t usable) const;
   void AdmitBacklog();
   void Admit(std::unique_ptr<Pending> p);
   void AdmitAccounting(Pending& p);
