@@ -248,7 +248,9 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
   // Entries answered already_present are pinned until the pages of the others are
   // allocated: evicting one of them to make room would tell the client a block is
   // stored that this very call dropped (or, for a checkpoint, hid by evicting a link of
-  // its KV prefix: those are pinned too).
+  // its KV prefix: those are pinned too). So are the parents of new entries (and a new
+  // checkpoint's KV prefix): evicting one would store a child no prefix Lookup reaches
+  // (a checkpoint nobody sees). A pinned parent keeps its own ancestors (not leaves).
   std::vector<ObjectKey> pinned;
   absl::flat_hash_set<BlockHash> kv_seen;
   auto unpin = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.mu_) {
@@ -272,6 +274,13 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
     } else {
       need += im.PagesFor(e.length);
       need_kind[KindIndex(e.kind)] += im.PagesFor(e.length);
+      if (e.parent) {
+        if (Object* p = im.Find(ObjectKey{*e.parent, e.kind}); p != nullptr && p->copy[kD]) {
+          im.Pin(*p);
+          pinned.push_back(p->key);
+        }
+      }
+      if (e.kind == StateKind::kLinearState) im.PinKvPrefix(e.hash, pinned, kv_seen);
     }
     rs.entries.push_back(std::move(re));
   }

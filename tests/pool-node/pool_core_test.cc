@@ -652,6 +652,34 @@ TEST_F(PoolCoreTest, ReserveNeverEvictsAnEntryItAnswersAlreadyPresent) {
   EXPECT_FALSE(core->Inspect({H(1), StateKind::kAttnKv}).has_value());
 }
 
+// A new entry's parent is not evicted to make room for it (nor, for a new checkpoint, its
+// KV prefix): the child would be stored where no prefix Lookup reaches it (the checkpoint
+// stored invisible), and its Put answered OK. Before, the LRU leaf H(2) went.
+TEST_F(PoolCoreTest, ReserveNeverEvictsTheParentOfAnEntryItReserves) {
+  for (StateKind kind : {StateKind::kAttnKv, StateKind::kLinearState}) {
+    auto core = Make(4);
+    PutChain(*core, 1, 2, kPage);  // H(1) -> H(2), H(2) the oldest leaf
+    ASSERT_TRUE(Put(*core, H(10), std::nullopt, Pattern(10, kPage)).ok());
+    ASSERT_TRUE(Put(*core, H(11), std::nullopt, Pattern(11, kPage)).ok());  // full
+    if (kind == StateKind::kAttnKv) {
+      ASSERT_TRUE(Put(*core, H(3), H(2), Pattern(3, kPage)).ok());
+      auto ans = core->Lookup({.hashes = {H(1), H(2), H(3)}});
+      ASSERT_TRUE(ans.ok()) << ans.status();
+      EXPECT_EQ(ans->prefix_blocks, 3u);
+      EXPECT_TRUE(core->Release(ans->lease_id).ok());
+    } else {
+      // The checkpoint at H(2): its KV prefix H(1), H(2) stays.
+      ASSERT_TRUE(Put(*core, H(2), std::nullopt, Pattern(2, kPage), StateKind::kLinearState).ok());
+      auto info = core->Inspect({H(2), StateKind::kLinearState});
+      ASSERT_TRUE(info.has_value());
+      EXPECT_TRUE(info->visible);
+    }
+    EXPECT_TRUE(core->Inspect({H(2), StateKind::kAttnKv}).has_value()) << StateKindName(kind);
+    EXPECT_FALSE(core->Inspect({H(10), StateKind::kAttnKv}).has_value()) << StateKindName(kind);
+    EXPECT_TRUE(core->CheckIndex().ok()) << core->CheckIndex();
+  }
+}
+
 TEST_F(PoolCoreTest, SelfParentIsRefusedNamingTheField) {
   auto core = Make(4);
   ReserveEntrySpec e{H(1), H(1), StateKind::kAttnKv, kPage};
