@@ -1,6 +1,7 @@
 #include "nvme_store.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -13,6 +14,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "kvpool/common/status.h"
 #include "spdlog/spdlog.h"
@@ -138,8 +140,29 @@ absl::StatusOr<std::unique_ptr<NvmeStore>> NvmeStore::Open(const std::string& di
     return absl::FailedPreconditionError(
         absl::StrCat("--nvme-dir=", dir, " cannot be created: ", ec.message()));
   }
-  RETURN_IF_ERROR(ProbeDirectIo(dir, page_bytes));
   std::unique_ptr<NvmeStore> s(new NvmeStore());
+  // One store per directory: a second one replayed the journal and renamed a fresh one
+  // over it, leaving the running node appending to an unlinked file (its records lost
+  // at its next start), and both wrote the same data file. The lock goes with the
+  // process (closed at exit, however it ends).
+  {
+    const std::string lock_path = dir + "/kvpool-nvme.lock";
+    s->lock_fd_ = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (s->lock_fd_ < 0) return Errno("open", lock_path);
+    if (::flock(s->lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+      if (errno != EWOULDBLOCK) return Errno("flock", lock_path);
+      char pid[32] = {};
+      const ssize_t n = ::pread(s->lock_fd_, pid, sizeof(pid) - 1, 0);
+      return absl::FailedPreconditionError(absl::StrCat(
+          "--nvme-dir=", dir, " is in use by another kvpool-node (pid ", n > 0 ? absl::StripAsciiWhitespace(pid) : "unknown",
+          ", holding ", lock_path, "); give each node its own --nvme-dir, or stop that one first"));
+    }
+    const std::string me = absl::StrCat(::getpid(), "\n");
+    if (::ftruncate(s->lock_fd_, 0) != 0 || ::pwrite(s->lock_fd_, me.data(), me.size(), 0) < 0) {
+      spdlog::warn("could not write the pid into {}: {}", lock_path, std::strerror(errno));  // the lock holds anyway
+    }
+  }
+  RETURN_IF_ERROR(ProbeDirectIo(dir, page_bytes));
   s->page_bytes_ = page_bytes;
   const uint64_t pages = capacity_bytes / page_bytes;
   if (pages == 0 || pages > UINT32_MAX) {
@@ -341,8 +364,11 @@ absl::StatusOr<std::unique_ptr<NvmeStore>> NvmeStore::Open(const std::string& di
 NvmeStore::~NvmeStore() {
   engine_.reset();
   if (data_fd_ >= 0) ::close(data_fd_);
-  absl::MutexLock l(&journal_mu_);
-  if (journal_fd_ >= 0) ::close(journal_fd_);
+  {
+    absl::MutexLock l(&journal_mu_);
+    if (journal_fd_ >= 0) ::close(journal_fd_);
+  }
+  if (lock_fd_ >= 0) ::close(lock_fd_);  // last: the files are closed
 }
 
 absl::Status NvmeStore::Transfer(bool write, std::span<const uint32_t> nvme_pages,

@@ -137,6 +137,8 @@ class NvmeStore {
   uint64_t dropped_records_ = 0;
   std::string data_path_;
   int data_fd_ = -1;
+  // kvpool-nvme.lock, flock()ed for the store's life: one process per directory.
+  int lock_fd_ = -1;
   std::unique_ptr<UringEngine> engine_;
 
 

@@ -12,6 +12,7 @@
 
 #include <xxhash.h>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvpool/pool_node/pool_core.h"
@@ -253,6 +254,28 @@ TEST_F(NvmeTierTest, RestartRecoversTheNvmeTier) {
   ASSERT_TRUE(all.ok());
   EXPECT_EQ(all->prefix_blocks, 6u);
   EXPECT_TRUE(*core->ReadObject(all->lease_id, {H(3), StateKind::kAttnKv}) == Pattern(3, 5000));
+}
+
+// A second node on a directory in use is refused before it touches the journal. Before,
+// it replayed the journal and renamed a fresh one over it: the running node went on
+// appending to an unlinked file, and what it demoted afterwards was lost at its restart.
+TEST_F(NvmeTierTest, ASecondNodeOnADirectoryInUseIsRefused) {
+  {
+    auto core = Make(8, 16);
+    PutChain(*core, 0, 4, kPage);
+    EXPECT_EQ(core->Demote(100), 4u);
+    auto second = PoolCore::Create(Options(8, 16));
+    ASSERT_FALSE(second.ok());
+    EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition) << second.status();
+    EXPECT_NE(second.status().message().find("--nvme-dir"), absl::string_view::npos) << second.status();
+    EXPECT_NE(second.status().message().find(absl::StrCat("pid ", ::getpid())), absl::string_view::npos)
+        << second.status();
+    PutChain(*core, 100, 2, kPage);
+    EXPECT_EQ(core->Demote(100), 2u);
+  }
+  auto core = Make(8, 16);  // the lock went with the first
+  ExpectChainReadsBack(*core, 0, 4, kPage);
+  ExpectChainReadsBack(*core, 100, 2, kPage);
 }
 
 TEST_F(NvmeTierTest, RestartWithOtherPageBytesIsRefusedNamingTheFlag) {
