@@ -56,6 +56,7 @@ struct Object {
   uint32_t pins = 0;      // DRAM copy in use by a demotion write or a Lookup in progress
   bool nvme_busy = false; // NVMe copy being read by a promotion
   bool demoting = false;
+  uint8_t failed_reads = 0;  // promotions in a row whose NVMe read failed (kMaxFailedReads)
   std::shared_ptr<absl::Notification> promotion;  // set while being promoted
   bool announced = false;  // LINEAR_STATE only (invariant 4)
   uint64_t held_pages = 0;  // DRAM pages counted in Impl::held_by_kind_ (invariant 5)

@@ -20,6 +20,8 @@ namespace {
 constexpr int kD = static_cast<int>(Tier::kDram);
 constexpr int kN = static_cast<int>(Tier::kNvme);
 constexpr size_t kMaxBatch = 4096;
+// NVMe reads of one copy that may fail in a row before the copy is dropped.
+constexpr uint8_t kMaxFailedReads = 3;
 constexpr int64_t kMaxReserveTimeoutMs = 86'400'000;  // a day: expiry sums stay far from overflow
 
 class SystemClockImpl : public Clock {
@@ -669,13 +671,23 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
       o->promotion.reset();
       im.promoting_by_kind_[KindIndex(p.key.kind)] -= p.dram_pages.size();
       if (results[i].ok()) {
+        o->failed_reads = 0;
         im.AddCopy(*o, kD, std::move(p.dram_pages));
         ++im.promotions_;
         im.Pin(*o);
         pinned.push_back(p.key);
-      } else if (io_failed[i]) {  // a miss this time; the NVMe copy stays
+      } else if (io_failed[i] && ++o->failed_reads < kMaxFailedReads) {
+        // A miss this time; the NVMe copy stays (the disk may answer next time).
         im.alloc_[kD]->Free(p.dram_pages);
         spdlog::error("reading {} from NVMe: {}", p.key.hash.ToHex(), std::string(results[i].message()));
+      } else if (io_failed[i]) {
+        // A copy that keeps failing goes: kept, it stayed "present" (a Reserve of it
+        // answered already_present and touched it, so it was never evicted either) and
+        // unreadable, ending every prefix through it, for good.
+        im.alloc_[kD]->Free(p.dram_pages);
+        spdlog::error("dropping {}: its NVMe read failed {} times in a row, the last: {}", p.key.hash.ToHex(),
+                      kMaxFailedReads, std::string(results[i].message()));
+        im.DropCopy(*o, kN);
       } else {
         im.alloc_[kD]->Free(p.dram_pages);
         ++im.checksum_failures_;

@@ -880,6 +880,34 @@ TEST_F(NvmeTierTest, ReadErrorIsAMissThatKeepsTheNvmeCopy) {
   EXPECT_FALSE(core->Inspect({H(lost), StateKind::kAttnKv}));
 }
 
+// A copy whose read keeps failing is dropped after three failures in a row: kept, it
+// stayed present and unreadable for good (a Reserve of it answered already_present, so
+// a worker could never store it again, and touched it, so it was never evicted).
+TEST_F(NvmeTierTest, ACopyWhoseReadKeepsFailingIsDropped) {
+  auto core = Make(8, 16);
+  ASSERT_TRUE(Put(*core, H(1), std::nullopt, Pattern(1, kPage)).ok());
+  ASSERT_TRUE(Put(*core, H(2), std::nullopt, Pattern(2, kPage)).ok());
+  ASSERT_EQ(core->Demote(2), 2u);
+  const uint32_t p1 = core->Inspect({H(1), StateKind::kAttnKv})->nvme_pages[0];
+  const uint32_t p2 = core->Inspect({H(2), StateKind::kAttnKv})->nvme_pages[0];
+  const uint64_t bad = p1 > p2 ? 1 : 2;  // its page is past the file's end: short reads
+  ASSERT_EQ(::truncate(core->nvme_data_path().c_str(), (std::min(p1, p2) + 1) * kPage), 0);
+  for (int attempt = 1; attempt <= 3; ++attempt) {
+    auto a = core->Lookup({.hashes = {H(bad)}});
+    ASSERT_TRUE(a.ok()) << a.status();
+    EXPECT_EQ(a->prefix_blocks, 0u);
+    EXPECT_EQ(core->Inspect({H(bad), StateKind::kAttnKv}).has_value(), attempt < 3) << "after " << attempt;
+  }
+  ReserveEntrySpec e{H(bad), std::nullopt, StateKind::kAttnKv, kPage};
+  auto r = core->Reserve({&e, 1});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->slots[0].already_present) << "the unreadable copy still counted as stored";
+  EXPECT_EQ(core->Stats().checksum_failures, 0u);
+  EXPECT_TRUE(core->CheckIndex().ok()) << core->CheckIndex();
+  // The other copy is untouched.
+  ExpectChainReadsBack(*core, 3 - bad, 1, kPage);
+}
+
 TEST_F(NvmeTierTest, JournalIsCompactedWhileRunningAndStillRecovers) {
   PoolOptions o;
   o.journal_compact_min_bytes = 4096;
