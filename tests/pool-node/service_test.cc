@@ -116,6 +116,17 @@ void NewWorkerAndArena(uint64_t pages, std::unique_ptr<transport::Worker>* worke
   *arena = std::move(*a);
 }
 
+// A node of 16 DRAM pages on a free loopback port, no metrics, no background thread.
+NodeConfig SmallNode() {
+  NodeConfig cfg;
+  cfg.listen = "127.0.0.1:0";
+  cfg.metrics_port = -1;
+  cfg.pool.page_bytes = kNodePage;
+  cfg.pool.dram_bytes = 16 * kNodePage;
+  cfg.pool.background = false;
+  return cfg;
+}
+
 class ServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -812,20 +823,19 @@ TEST_F(ServiceTest, LostPartialCommitFailsThePutAndTheClientEndsItsReservation) 
 TEST(ReserveTimeout, PutStopsWritingOnceItsReservationRanOut) {
   testing::TempDir dir;
   ManualClock clock;  // the node's: its expiries move only when the test says
-  NodeConfig cfg;
-  cfg.listen = "127.0.0.1:0";
-  cfg.metrics_port = -1;
-  cfg.pool.page_bytes = kNodePage;
-  cfg.pool.dram_bytes = 16 * kNodePage;
+  NodeConfig cfg = SmallNode();
   cfg.pool.reserve_timeout_ms = 100;
-  cfg.pool.background = false;
   cfg.pool.clock = &clock;
   auto node = NodeServer::Start(cfg);
   ASSERT_TRUE(node.ok()) << node.status();
   PoolCore& core = (*node)->core();
   std::unique_ptr<transport::Worker> worker;
   std::shared_ptr<transport::Arena> arena;
-  ASSERT_NO_FATAL_FAILURE(NewWorkerAndArena(16, &worker, &arena));
+  // A transfer bound within the node's 100 ms (a piece must be able to end before the
+  // node reuses its pages: ReserveTimeout.ShorterThanTheTransferTimeoutStartsNoPiece).
+  transport::WorkerOptions wo;
+  wo.batch_timeout = absl::Milliseconds(50);
+  ASSERT_NO_FATAL_FAILURE(NewWorkerAndArena(16, &worker, &arena, wo));
   PoolClientOptions o;
   o.node_address = "127.0.0.1:" + std::to_string((*node)->port());
   o.client_id = "late-writer";
@@ -893,6 +903,58 @@ TEST(ReserveTimeout, PutStopsWritingOnceItsReservationRanOut) {
   node->reset();
 }
 
+// A node reserve timeout too short for the client's transfer timeout: a piece could still
+// be writing when the node gives its pages (held back one more timeout after the
+// reservation's end) to another object. The Put starts no piece and says which flags to
+// change; nothing is stored and the node ends the reservation. Before, the piece was
+// written and stored.
+TEST(ReserveTimeout, ShorterThanTheTransferTimeoutStartsNoPiece) {
+  NodeConfig cfg = SmallNode();
+  cfg.pool.reserve_timeout_ms = 2000;
+  auto node = NodeServer::Start(cfg);
+  ASSERT_TRUE(node.ok()) << node.status();
+  std::unique_ptr<transport::Worker> worker;
+  std::shared_ptr<transport::Arena> arena;
+  transport::WorkerOptions wo;
+  wo.batch_timeout = absl::Seconds(5);  // > 2 x 2000 ms
+  ASSERT_NO_FATAL_FAILURE(NewWorkerAndArena(16, &worker, &arena, wo));
+  PoolClientOptions o;
+  o.node_address = "127.0.0.1:" + std::to_string((*node)->port());
+  o.client_id = "slow-link";
+  o.worker = worker.get();
+  o.local_arena = arena;
+  auto client = PoolClient::Connect(o);
+  ASSERT_TRUE(client.ok()) << client.status();
+  const std::string bytes = Pattern(950, 3 * kLocalPage);
+  std::memcpy(arena->base(), bytes.data(), bytes.size());
+  const std::vector<PutItem> items = {PutItem{H(950), std::nullopt, StateKind::kAttnKv, {0, 1, 2}, bytes.size()}};
+  auto put = (*client)->Put(items);
+  ASSERT_FALSE(put.ok());
+  EXPECT_EQ(put.status().code(), absl::StatusCode::kFailedPrecondition) << put.status();
+  EXPECT_THAT(std::string(put.status().message()), ::testing::HasSubstr("--reserve-timeout-ms")) << put.status();
+  EXPECT_THAT(std::string(put.status().message()), ::testing::HasSubstr("--pool-transfer-timeout-ms")) << put.status();
+  const PoolStatsSnapshot st = (*node)->core().Stats();
+  EXPECT_EQ(st.pending_reservations, 0u);
+  EXPECT_EQ(st.tiers[0].used_bytes, 0u);
+  // Within the bound, the same Put goes through.
+  client->reset();
+  arena.reset();
+  worker.reset();
+  wo.batch_timeout = absl::Seconds(1);
+  ASSERT_NO_FATAL_FAILURE(NewWorkerAndArena(16, &worker, &arena, wo));
+  std::memcpy(arena->base(), bytes.data(), bytes.size());
+  o.worker = worker.get();
+  o.local_arena = arena;
+  client = PoolClient::Connect(o);
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto again = (*client)->Put(items);
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_EQ(again->size(), 1u);
+  EXPECT_TRUE((*again)[0].ok()) << (*again)[0];
+  client->reset();
+  node->reset();
+}
+
 // A --dram the host cannot back is refused up front, naming --dram and the limit; it
 // used to hang startup while UCX filled a file in /dev/shm.
 TEST(DramCheck, RefusesWhatTheHostCannotBack) {
@@ -939,13 +1001,8 @@ TEST(NodeIdDefault, IsPoolDashBoundPort) {
   std::unique_ptr<grpc::Server> router_server = rb.BuildAndStart();
   ASSERT_NE(router_server, nullptr);
 
-  NodeConfig cfg;
-  cfg.listen = "127.0.0.1:0";
+  NodeConfig cfg = SmallNode();
   cfg.router = "127.0.0.1:" + std::to_string(router_port);
-  cfg.metrics_port = -1;
-  cfg.pool.page_bytes = kNodePage;
-  cfg.pool.dram_bytes = 16 * kNodePage;
-  cfg.pool.background = false;
   auto node = NodeServer::Start(cfg);
   ASSERT_TRUE(node.ok()) << node.status();
   const std::string want = "pool-" + std::to_string((*node)->port());
@@ -1094,12 +1151,7 @@ TEST_F(ServiceTest, GetStopsAtTheBatchWhereItsLeaseRanOut) {
 // hour ahead does not make the client read past the lease's end.
 TEST(LeaseTime, CountedOnTheClientsClockWhateverTheNodesSays) {
   ManualClock clock;  // the node's: 2023, years behind this host
-  NodeConfig cfg;
-  cfg.listen = "127.0.0.1:0";
-  cfg.metrics_port = -1;
-  cfg.pool.page_bytes = kNodePage;
-  cfg.pool.dram_bytes = 16 * kNodePage;
-  cfg.pool.background = false;
+  NodeConfig cfg = SmallNode();
   cfg.pool.clock = &clock;
   auto node = NodeServer::Start(cfg);
   ASSERT_TRUE(node.ok()) << node.status();

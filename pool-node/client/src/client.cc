@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "kvpool/common/checksum.h"
 #include "kvpool/common/status.h"
 #include "kvpool/proto/grpc_status.h"
@@ -503,7 +504,22 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
     // one more timeout, for writes already under way). Not DEADLINE_EXCEEDED: the node
     // is fine (a worker would take that for a failed node), this Put was too slow.
     if (rresp.ttl_ms() > 0) {
-      if (std::chrono::steady_clock::now() >= UsableUntil(reserve_sent[g], rresp.ttl_ms())) {
+      const auto now = std::chrono::steady_clock::now();
+      // A piece's writes can last until the transport's batch timeout; the node reuses the
+      // pages one more timeout after the reservation's end. A piece that could still be
+      // writing then is not started (a node timeout shorter than the transfer timeout
+      // made every slow piece a risk to whatever object got those pages next).
+      const absl::Duration transfer_limit = s_->opt.worker->options().batch_timeout;
+      if (now + absl::ToChronoNanoseconds(transfer_limit) > UsableUntil(reserve_sent[g], 2 * static_cast<int64_t>(rresp.ttl_ms())) &&
+          now < UsableUntil(reserve_sent[g], rresp.ttl_ms())) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "reservation ", rresp.reservation_id(), ": the node's reserve timeout (", rresp.ttl_ms(),
+            " ms) leaves too little time for this client's transfer timeout (", absl::ToInt64Milliseconds(transfer_limit),
+            " ms): a piece started now could still be writing when the node gives its pages to another object; "
+            "raise the node's --reserve-timeout-ms above the transfer timeout, or lower the worker's "
+            "--pool-transfer-timeout-ms; nothing more was written"));
+      }
+      if (now >= UsableUntil(reserve_sent[g], rresp.ttl_ms())) {
         return absl::FailedPreconditionError(absl::StrCat(
             "reservation ", rresp.reservation_id(), " ran out (the node's reserve timeout is ", rresp.ttl_ms(),
             " ms) before this Put had written all its objects; it wrote nothing more. Objects whose Commit "

@@ -65,7 +65,7 @@ TEST(PoolTierTest, LookupsLongerThanOneCallFindEveryBlock) {
   // Generous: 8K objects on a loaded 2-core machine (or under ASan) take seconds, and a
   // timed-out call would mark the node down (what is tested here is the split).
   o.rpc_timeout_ms = 120'000;
-  o.transfer_timeout = absl::Seconds(120);
+  o.transfer_timeout = absl::Seconds(30);  // within twice the node's 30 s reserve timeout (PoolClient::Put)
   // Local arena: kBlocks pages to put from (a pattern), kBlocks pages to get into (zeros).
   SmallPool p;
   ASSERT_NO_FATAL_FAILURE(StartSmallPool("pool-tier-test", p, o, kBlocks + 1024, 2 * kBlocks));
