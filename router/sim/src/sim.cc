@@ -270,6 +270,12 @@ absl::Status Simulation::Arrive(size_t r) {
     // Shorter than one block: nothing to match; the router needs at least one hash.
     i = r % inst_.size();
   } else {
+    // What each busy instance has left of its running prefill, as of now (it was last
+    // reported when that instance last changed: every other busy instance looked as if it
+    // had all of its prefill still to do).
+    for (size_t j = 0; j < inst_.size(); ++j) {
+      if (inst_[j].busy) Heartbeat(j, {});
+    }
     router::RouteInput in;
     in.model = w_.model;
     in.hashes = req.hashes;

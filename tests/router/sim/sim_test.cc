@@ -208,6 +208,31 @@ TEST(Simulate, PolicyOrderingOnAGeneratedTrace) {
   EXPECT_GT(r["cache_aware"].hit_rate, r["least_load"].hit_rate);
 }
 
+// The router sees what each busy instance has left of its running prefill at the moment
+// it routes. r0 (20 blocks) starts on one instance at 0, r1 (16 blocks) on the other at
+// 0.5 T0, r2 (1 block) arrives at 0.9 T0, when the first has 0.1 T0 left and the second
+// 0.4 T0: ttft sends it to the first. Before, each was last reported when it started (its
+// whole prefill still to do: 20 blocks against 16), and r2 went to the second.
+TEST(Simulate, RouterSeesTheRunningPrefillLeftWhenItRoutes) {
+  const double t0 = CostModel{}.PrefillSeconds(*ResolveModelSpec("llama-3.3-70b"), 20 * 512);
+  std::vector<trace::TraceRequest> reqs;
+  uint64_t id = 1;
+  for (auto [at, blocks] : {std::pair{0.0, 20}, std::pair{0.5, 16}, std::pair{0.9, 1}}) {
+    trace::TraceRequest r;
+    r.timestamp_ms = at * t0 * 1000;
+    for (int b = 0; b < blocks; ++b) r.hash_ids.push_back(id++);
+    r.input_length = blocks * 512;
+    r.output_length = 1;
+    reqs.push_back(r);
+  }
+  const Workload w = BuildOrDie(reqs, "llama-3.3-70b");
+  SimOptions o{.instances = 2, .gpu_blocks = 4096, .policy = "ttft", .time_scale = 1.0};
+  auto r = Simulate(w, o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  // r2 waits 0.1 T0 (0.4 T0 on the other instance): a mean of 0.033 T0 (0.133 T0).
+  EXPECT_NEAR(r->queue_mean_s, 0.1 * t0 / 3, 0.01 * t0);
+}
+
 TEST(Simulate, RejectsBadOptions) {
   const Workload w = BuildOrDie(GeneratedTrace(2, 1, 1.0, 1), "tiny-gqa");
   EXPECT_FALSE(Simulate(w, {.instances = 0}).ok());
