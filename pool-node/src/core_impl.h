@@ -57,6 +57,7 @@ struct Object {
   bool nvme_busy = false; // NVMe copy being read by a promotion
   bool demoting = false;
   uint8_t failed_reads = 0;  // promotions in a row whose NVMe read failed (kMaxFailedReads)
+  int64_t last_failed_read_ms = 0;  // when the last one counted (a burst counts once)
   std::shared_ptr<absl::Notification> promotion;  // set while being promoted
   bool announced = false;  // LINEAR_STATE only (invariant 4)
   uint64_t held_pages = 0;  // DRAM pages counted in Impl::held_by_kind_ (invariant 5)
@@ -84,6 +85,9 @@ struct ReservationState {
   // Index of each entry by block hash (unique in a reservation): a Commit of a few
   // entries of a large reservation claims them without scanning it under the lock.
   absl::flat_hash_map<BlockHash, uint32_t> by_hash;
+  // Stored objects its new entries hang from (a parent; a checkpoint's KV block), pinned
+  // in DRAM until it ends (FreeReservation unpins them).
+  std::vector<ObjectKey> held_parents;
 };
 
 struct LeaseState {

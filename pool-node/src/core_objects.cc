@@ -408,6 +408,10 @@ void PoolCore::Impl::FreeReservedEntry(ReservationState& r, ReservedEntry& e, st
 
 void PoolCore::Impl::FreeReservation(ReservationState& r, std::vector<uint32_t>* held) {
   for (ReservedEntry& e : r.entries) FreeReservedEntry(r, e, held);
+  for (const ObjectKey& k : r.held_parents) {
+    if (Object* o = Find(k)) Unpin(*o);
+  }
+  r.held_parents.clear();
 }
 
 absl::Status PoolCore::Impl::CheckClientRoom(const std::string& client, uint64_t pages,

@@ -20,8 +20,11 @@ namespace {
 constexpr int kD = static_cast<int>(Tier::kDram);
 constexpr int kN = static_cast<int>(Tier::kNvme);
 constexpr size_t kMaxBatch = 4096;
-// NVMe reads of one copy that may fail in a row before the copy is dropped.
+// NVMe reads of one copy that may fail in a row before the copy is dropped, counted at
+// most once per kFailedReadSpacingMs: a burst of errors (or a bad page next to the copy's,
+// read in the same request) drops nothing at once.
 constexpr uint8_t kMaxFailedReads = 3;
+constexpr int64_t kFailedReadSpacingMs = 1000;
 constexpr int64_t kMaxReserveTimeoutMs = 86'400'000;  // a day: expiry sums stay far from overflow
 
 class SystemClockImpl : public Clock {
@@ -251,13 +254,29 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
   // allocated: evicting one of them to make room would tell the client a block is
   // stored that this very call dropped (or, for a checkpoint, hid by evicting a link of
   // its KV prefix: those are pinned too). So are the parents of new entries (and a new
-  // checkpoint's KV prefix): evicting one would store a child no prefix Lookup reaches
-  // (a checkpoint nobody sees). A pinned parent keeps its own ancestors (not leaves).
+  // checkpoint's KV block), for the reservation's life: evicting one would store a child
+  // no prefix Lookup reaches (a checkpoint nobody sees). A pinned parent keeps its own
+  // ancestors (not leaves).
   std::vector<ObjectKey> pinned;
   absl::flat_hash_set<BlockHash> kv_seen;
+  // The objects the new entries hang from stay pinned until the reservation ends
+  // (ReservationState::held_parents), not just through this call: evicted before the
+  // Commit, they would leave it the same orphan.
+  std::vector<ObjectKey> parents;
+  auto pin_parent = [&](const ObjectKey& k) ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.mu_) {
+    if (Object* p = im.Find(k); p != nullptr && p->copy[kD]) {
+      im.Pin(*p);
+      parents.push_back(k);
+    }
+  };
   auto unpin = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.mu_) {
     for (const ObjectKey& k : pinned) {
       if (Object* o = im.Find(k)) im.Unpin(*o);  // pinned: never evicted, but be safe
+    }
+  };
+  auto unpin_parents = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.mu_) {
+    for (const ObjectKey& k : parents) {
+      if (Object* o = im.Find(k)) im.Unpin(*o);
     }
   };
   for (const auto& e : entries) {
@@ -276,18 +295,16 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
     } else {
       need += im.PagesFor(e.length);
       need_kind[KindIndex(e.kind)] += im.PagesFor(e.length);
-      if (e.parent) {
-        if (Object* p = im.Find(ObjectKey{*e.parent, e.kind}); p != nullptr && p->copy[kD]) {
-          im.Pin(*p);
-          pinned.push_back(p->key);
-        }
-      }
-      if (e.kind == StateKind::kLinearState) im.PinKvPrefix(e.hash, pinned, kv_seen);
+      if (e.parent) pin_parent(ObjectKey{*e.parent, e.kind});
+      // A checkpoint is seen while its KV prefix is present: its own KV block stays (and,
+      // being a child, keeps the blocks before it off the leaf lists).
+      if (e.kind == StateKind::kLinearState) pin_parent(ObjectKey{e.hash, StateKind::kAttnKv});
     }
     rs.entries.push_back(std::move(re));
   }
   if (absl::Status room = im.CheckClientRoom(rs.client, need, "Reserve"); !room.ok()) {
     unpin();
+    unpin_parents();
     return room;
   }
   // Decide whether eviction can make room before evicting anything: a Reserve that
@@ -302,6 +319,7 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
   const Impl::RoomPlan room = im.PlanDramRoom(plan, need_kind, need);
   if (room.shortfall != Impl::RoomShort::kNone) {
     unpin();
+    unpin_parents();
     const auto quota_text = [&] {
       return absl::StrCat("the DRAM quota for ", StateKindName(static_cast<StateKind>(room.kind)), " (",
                           options_.dram_quota_bytes[room.kind], " bytes) cannot fit ",
@@ -351,6 +369,7 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
     out.slots.push_back(std::move(slot));
   }
   unpin();
+  rs.held_parents = std::move(parents);
   rs.by_hash.reserve(rs.entries.size());
   for (uint32_t j = 0; j < rs.entries.size(); ++j) rs.by_hash.emplace(rs.entries[j].spec.hash, j);
   im.ExpiryOn(out.id, rs);
@@ -664,9 +683,14 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
       }
     }
     absl::MutexLock l(&im.mu_);
+    const int64_t now_ms = im.clock_->NowMs();
     for (size_t i = 0; i < promos.size(); ++i) {
       Promo& p = promos[i];
       Object* o = im.Find(p.key);  // nvme_busy kept its NVMe copy, so it still exists
+      if (io_failed[i] && (o->failed_reads == 0 || now_ms - o->last_failed_read_ms >= kFailedReadSpacingMs)) {
+        ++o->failed_reads;
+        o->last_failed_read_ms = now_ms;
+      }
       o->nvme_busy = false;
       o->promotion.reset();
       im.promoting_by_kind_[KindIndex(p.key.kind)] -= p.dram_pages.size();
@@ -676,7 +700,7 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
         ++im.promotions_;
         im.Pin(*o);
         pinned.push_back(p.key);
-      } else if (io_failed[i] && ++o->failed_reads < kMaxFailedReads) {
+      } else if (io_failed[i] && o->failed_reads < kMaxFailedReads) {
         // A miss this time; the NVMe copy stays (the disk may answer next time).
         im.alloc_[kD]->Free(p.dram_pages);
         spdlog::error("reading {} from NVMe: {}", p.key.hash.ToHex(), std::string(results[i].message()));
@@ -685,8 +709,8 @@ absl::StatusOr<LookupAnswer> PoolCore::Lookup(const LookupSpec& spec) {
         // answered already_present and touched it, so it was never evicted either) and
         // unreadable, ending every prefix through it, for good.
         im.alloc_[kD]->Free(p.dram_pages);
-        spdlog::error("dropping {}: its NVMe read failed {} times in a row, the last: {}", p.key.hash.ToHex(),
-                      kMaxFailedReads, std::string(results[i].message()));
+        spdlog::error("dropping {}: its NVMe read failed {} times in a row, at least {} ms apart, the last: {}",
+                      p.key.hash.ToHex(), kMaxFailedReads, kFailedReadSpacingMs, std::string(results[i].message()));
         im.DropCopy(*o, kN);
       } else {
         im.alloc_[kD]->Free(p.dram_pages);

@@ -634,8 +634,10 @@ TEST_F(PoolCoreTest, ReserveNeverEvictsAnEntryItAnswersAlreadyPresent) {
   auto core = Make(4);
   ASSERT_TRUE(Put(*core, H(1), std::nullopt, Pattern(1, kPage)).ok());
   // H(1) is the only (and LRU) evictable object; the new entry needs the whole arena.
+  // (Not H(1)'s child: a parent stays pinned for the reservation's life, see
+  // AReservationKeepsItsEntriesParentsUntilItEnds.)
   std::vector<ReserveEntrySpec> es = {{H(1), std::nullopt, StateKind::kAttnKv, kPage},
-                                      {H(2), H(1), StateKind::kAttnKv, 4 * kPage}};
+                                      {H(2), std::nullopt, StateKind::kAttnKv, 4 * kPage}};
   auto r = core->Reserve(es);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
   EXPECT_TRUE(core->Inspect({H(1), StateKind::kAttnKv}).has_value());
@@ -677,6 +679,44 @@ TEST_F(PoolCoreTest, ReserveNeverEvictsTheParentOfAnEntryItReserves) {
     EXPECT_TRUE(core->Inspect({H(2), StateKind::kAttnKv}).has_value()) << StateKindName(kind);
     EXPECT_FALSE(core->Inspect({H(10), StateKind::kAttnKv}).has_value()) << StateKindName(kind);
     EXPECT_TRUE(core->CheckIndex().ok()) << core->CheckIndex();
+  }
+}
+
+// ... nor by another Reserve while the reservation waits for its Commit: the parent stays
+// pinned until the reservation ends (committed, ended or timed out), then is evictable
+// again. Before, the pin ended with the Reserve call.
+TEST_F(PoolCoreTest, AReservationKeepsItsEntriesParentsUntilItEnds) {
+  auto core = Make(4, {.reserve_timeout_ms = 1000});
+  PutChain(*core, 1, 2, kPage);  // H(1) -> H(2), H(2) the oldest leaf
+  ASSERT_TRUE(Put(*core, H(10), std::nullopt, Pattern(10, kPage)).ok());
+  ReserveEntrySpec child{H(3), H(2), StateKind::kAttnKv, kPage};
+  auto r = core->Reserve({&child, 1});  // takes the last free page
+  ASSERT_TRUE(r.ok()) << r.status();
+  // Another client needs a page: the LRU leaf is H(2), pinned for the reservation.
+  ASSERT_TRUE(Put(*core, H(20), std::nullopt, Pattern(20, kPage)).ok());
+  EXPECT_TRUE(core->Inspect({H(2), StateKind::kAttnKv}).has_value()) << "the parent went before its child's Commit";
+  EXPECT_FALSE(core->Inspect({H(10), StateKind::kAttnKv}).has_value());
+  const std::string bytes = Pattern(3, kPage);
+  core->CopyToRun(r->slots[0].run, testing::Bytes(bytes));
+  const CommitEntrySpec c{H(3), Checksum64(testing::Bytes(bytes))};
+  auto done = core->Commit(r->id, {&c, 1});
+  ASSERT_TRUE(done.ok()) << done.status();
+  ASSERT_TRUE((*done)[0].status.ok()) << (*done)[0].status;
+  auto ans = core->Lookup({.hashes = {H(1), H(2), H(3)}});
+  ASSERT_TRUE(ans.ok()) << ans.status();
+  EXPECT_EQ(ans->prefix_blocks, 3u);
+  EXPECT_TRUE(core->Release(ans->lease_id).ok());
+  // The pin ended with the reservation: a timed-out one leaves nothing pinned either.
+  ReserveEntrySpec other{H(4), H(3), StateKind::kAttnKv, kPage};
+  auto r2 = core->Reserve({&other, 1});
+  ASSERT_TRUE(r2.ok()) << r2.status();
+  clock_.AdvanceMs(2001);  // its timeout and the hold-back after it
+  core->RunMaintenance();
+  EXPECT_EQ(core->Stats().pending_reservations, 0u);
+  EXPECT_TRUE(core->CheckIndex().ok()) << core->CheckIndex();
+  for (uint64_t i = 30; i < 34; ++i) ASSERT_TRUE(Put(*core, H(i), std::nullopt, Pattern(i, kPage)).ok()) << i;
+  for (uint64_t i : {1, 2, 3, 20}) {
+    EXPECT_FALSE(core->Inspect({H(i), StateKind::kAttnKv}).has_value()) << "H(" << i << ") still pinned";
   }
 }
 
