@@ -969,6 +969,9 @@ TEST(WorkerService, APoolCheckpointBeforeTheLocalHitIsFetched) {
     wb.hybrid_mode = mode;
     wb.fetch = "always";
     wb.num_blocks = 64;
+    std::atomic<bool> hold{false};
+    std::atomic<int> forwards{0};
+    wb.forward_fault = HeldForward(hold, forwards);
     Client worker_b(cl.StartWorker(wb));
     // Fetches the blocks and the checkpoint at 512 tokens; the one at 256 is not filled.
     auto s = worker_b.Generate(second, 2);
@@ -979,7 +982,17 @@ TEST(WorkerService, APoolCheckpointBeforeTheLocalHitIsFetched) {
       return st.bytes_moved_by_tier().at("fetched_dram") + st.bytes_moved_by_tier().at("fetched_nvme");
     };
     const uint64_t before = fetched();
-    auto t = worker_b.Generate(third, 2);  // 6 blocks cached here, no checkpoint among them
+    // 6 blocks cached here, no checkpoint among them. While its prefill step is held, the
+    // load counts what it computes after the fetch: strict 394 - 256 (it counted all 394,
+    // the fetched checkpoint left out), replay 394 - 384.
+    hold = true;
+    const int forwards_before = forwards;
+    absl::StatusOr<Answer> t;
+    std::thread third_request([&] { t = worker_b.Generate(third, 2); });
+    while (forwards == forwards_before) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    EXPECT_EQ(worker_b.Stats().load().queued_prefill_tokens(), mode == "strict" ? 138u : 10u);
+    hold = false;
+    third_request.join();
     ASSERT_TRUE(t.ok()) << t.status();
     EXPECT_EQ(t->output, want[0].output);
     EXPECT_EQ(t->digest, want[0].digest);
@@ -1172,7 +1185,8 @@ TEST(WorkerFlags, RefusedNamingTheFlag) {
   for (const auto& [args, flag] : std::vector<std::pair<std::vector<std::string>, std::string>>{
            {{"--pool-nodes", "10.0.0.1:50061,pool-b"}, "--pool-nodes"},
            {{"--offload", "write-back"}, "--offload"},
-           {{"--fetch", "always"}, "--fetch"}}) {
+           {{"--fetch", "always"}, "--fetch"},
+           {{"--max-queued-requests", "1000001"}, "--max-queued-requests"}}) {
     auto bad = parse(args);
     ASSERT_FALSE(bad.ok()) << flag;
     EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);

@@ -319,6 +319,13 @@ Engine::LocalHit Engine::FindLocalHit(const std::vector<BlockHash>& chain, int64
   return hit;
 }
 
+int64_t Engine::TokensToCompute(const std::vector<BlockHash>& chain, int64_t n) const {
+  const int64_t b = cfg_.spec.block_tokens;
+  const LocalHit hit = FindLocalHit(chain, (n - 1) / b);
+  const bool strict = cfg_.spec.IsHybrid() && cfg_.runner.hybrid_mode == cache::HybridHitMode::kStrict;
+  return n - (strict ? hit.checkpoint : hit.blocks) * b;
+}
+
 void Engine::TakeIncoming(std::deque<std::unique_ptr<Pending>> incoming) {
   for (auto& p : incoming) {
     const int64_t n = static_cast<int64_t>(p->req.tokens.size());
@@ -332,12 +339,9 @@ void Engine::TakeIncoming(std::deque<std::unique_ptr<Pending>> incoming) {
       // While it waits, its load counts the prompt less the prefix cached here now (the
       // router counts a decision's tokens net of its hit; the full prompt, reported, made
       // the worker holding a prefix look the busiest). The chain is kept for Admit.
-      const int64_t usable = (n - 1) / cfg_.spec.block_tokens;
-      if (cfg_.runner.enable_prefix_caching && usable > 0) {
+      if (cfg_.runner.enable_prefix_caching && n > cfg_.spec.block_tokens) {
         p->chain = runner_->HashPrompt(p->req.tokens, p->req.tenant_salt);
-        const LocalHit hit = FindLocalHit(p->chain, usable);
-        const bool strict = cfg_.spec.IsHybrid() && cfg_.runner.hybrid_mode == cache::HybridHitMode::kStrict;
-        p->prefill_tokens = n - (strict ? hit.checkpoint : hit.blocks) * cfg_.spec.block_tokens;
+        p->prefill_tokens = TokensToCompute(p->chain, n);
       }
     }
     backlog_.push_back(std::move(p));
@@ -388,10 +392,11 @@ void Engine::Admit(std::unique_ptr<Pending> p) {
     if (local < usable || ckpt_gap) {
       p->pool_tokens = FetchFromPool(chain, local, local_ckpt, usable);
       p->pool_fetch_s = Seconds(MonotonicNow() - t1);
+      // What it fetched is cached here now (blocks, or a checkpoint alone, alike).
+      p->prefill_tokens = TokensToCompute(chain, n);
     }
-    const bool strict = cfg_.spec.IsHybrid() && cfg_.runner.hybrid_mode == cache::HybridHitMode::kStrict;
-    p->prefill_tokens = n - std::min(n - 1, (strict ? local_ckpt : local) * b + p->pool_tokens);
   }
+  std::vector<BlockHash>().swap(p->chain);  // not needed past admission
   model::GenerateRequest g;
   g.prompt_tokens = p->req.tokens;
   g.max_new_tokens = p->req.max_new_tokens;
@@ -501,8 +506,13 @@ int64_t Engine::FetchFromPool(const std::vector<BlockHash>& chain, int64_t local
             const auto& o = ckpts.found[static_cast<size_t>(ckpt_index)]->object;
             (o.found_in == pool_node::Tier::kNvme ? nvme : dram) += o.length;
           }
-          Ewma(fetch_bytes_per_s_, static_cast<double>(dram + nvme) / get_s);
-          Ewma(fetch_overhead_s_, lookup_s);
+          // An import that moved nothing (its pages trimmed away) measures no rate: a
+          // zero sample cut the average by a fifth each time, until auto mode stopped
+          // fetching for good.
+          if (dram + nvme > 0) {
+            Ewma(fetch_bytes_per_s_, static_cast<double>(dram + nvme) / get_s);
+            Ewma(fetch_overhead_s_, lookup_s);
+          }
           fetched_tokens = static_cast<int64_t>(plan->blocks.size()) * b;
           m_bytes_in_dram_->Increment(static_cast<double>(dram));
           m_bytes_in_nvme_->Increment(static_cast<double>(nvme));

@@ -162,9 +162,10 @@ class Engine : public cache::KvEventSink {
     bool decision_released = false;  // CompleteDecision sent (counted in the load, or ended)
     int64_t counted_tokens = 0;      // in in_engine_tokens_ until answered
     // Prompt tokens it is expected to compute (the load's queued_prefill_tokens): all but
-    // its prefix cached here when it arrived, then its hit once admitted. An estimate.
+    // its prefix cached here when it arrived, then (after a fetch) its local and fetched
+    // hit once admitted. An estimate.
     int64_t prefill_tokens = 0;
-    std::vector<BlockHash> chain;    // its prompt's block hashes, when computed on arrival
+    std::vector<BlockHash> chain;    // its prompt's block hashes from arrival to admission
     bool Cancelled() const { return req.cancelled != nullptr && req.cancelled->load(std::memory_order_relaxed); }
   };
   struct MirrorEntry {
@@ -187,6 +188,9 @@ class Engine : public cache::KvEventSink {
     int64_t checkpoint = 0;
   };
   LocalHit FindLocalHit(const std::vector<BlockHash>& chain, int64_t usable) const;
+  // Prompt tokens of `n` left to compute with what is cached here now: all but the local
+  // hit (strict hybrids: up to its last checkpoint; the last token always).
+  int64_t TokensToCompute(const std::vector<BlockHash>& chain, int64_t n) const;
   void AdmitBacklog();
   void Admit(std::unique_ptr<Pending> p);
   void AdmitAccounting(Pending& p);

@@ -178,7 +178,9 @@ absl::StatusOr<WorkerConfig> ParseWorkerFlags(int argc, char** argv) {
   app.add_option("--threads", cfg.threads, "kernel threads (results do not depend on it)")->check(CLI::Range(1, 256));
   app.add_option("--max-queued-requests", cfg.max_queued_requests,
                  "requests queued or running at once; more get RESOURCE_EXHAUSTED")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+      // At most the waiting_requests a router accepts in a heartbeat's load (1,000,000):
+      // beyond it every heartbeat was refused and the worker re-registered in a loop.
+      ->check(CLI::Range(int64_t{1}, int64_t{1'000'000}));
   app.add_option("--max-queued-tokens", cfg.max_queued_tokens,
                  "prompt tokens of the requests queued or running; more get RESOURCE_EXHAUSTED")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 36));
