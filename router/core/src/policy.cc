@@ -134,17 +134,25 @@ size_t Policy::RoundRobin(uint32_t group, std::span<const Candidate> c) {
   return rr_[group]++ % c.size();
 }
 
-void Policy::RememberSession(std::string key, std::string instance_id) {
-  if (sessions_.size() >= params_.max_sessions) {
+void Policy::RememberSession(uint32_t group, absl::string_view session_id, std::string instance_id) {
+  if (num_sessions_ >= params_.max_sessions && num_sessions_ > 0) {
     // Drop the older half: O(n) once per max_sessions/2 new sessions.
     std::vector<uint64_t> uses;
-    uses.reserve(sessions_.size());
-    for (const auto& [k, v] : sessions_) uses.push_back(v.last_use);
+    uses.reserve(num_sessions_);
+    for (const auto& m : sessions_) {
+      for (const auto& [k, v] : m) uses.push_back(v.last_use);
+    }
     std::nth_element(uses.begin(), uses.begin() + static_cast<ptrdiff_t>(uses.size() / 2), uses.end());
     const uint64_t median = uses[uses.size() / 2];
-    absl::erase_if(sessions_, [&](const auto& kv) { return kv.second.last_use < median; });
+    num_sessions_ = 0;
+    for (auto& m : sessions_) {
+      absl::erase_if(m, [&](const auto& kv) { return kv.second.last_use < median; });
+      num_sessions_ += m.size();
+    }
   }
-  sessions_[std::move(key)] = Sticky{std::move(instance_id), ++session_clock_};
+  const bool fresh =
+      sessions_[group].insert_or_assign(std::string(session_id), Sticky{std::move(instance_id), ++session_clock_}).second;
+  if (fresh) ++num_sessions_;
 }
 
 }  // namespace kvpool::router

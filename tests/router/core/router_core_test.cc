@@ -162,7 +162,7 @@ TEST_F(RouterCoreTest, TtftAvoidsLongQueueDespiteHit) {
 }
 
 // The step that prefills a request also decodes a token of every sequence its worker is
-// running: w0 holds the whole prompt but runs 64 sequences, more than the 31 tokens a miss
+// running: w0 holds the whole prompt but runs 64 sequences, more than the 32 tokens a miss
 // on idle w1 computes. Before, the estimate had no decode term and w0 looked idle.
 TEST_F(RouterCoreTest, TtftCountsTheDecodeOfRunningSequences) {
   const double per_token = CostModel{}.PrefillSeconds(*ResolveModelSpec("llama-3.3-70b"), 1);

@@ -10,7 +10,8 @@
 //   session       sticky by session id; a new or orphaned session goes to least_load
 //   cache_aware   argmax w1 * gpu_hit/total_blocks - w2 * load/max_load, among
 //                 candidates below the herding cap (see PolicyParams)
-//   ttft          argmin estimated TTFT = queue + transfer(pool part) + prefill(rest)
+//   ttft          argmin estimated TTFT = queue + decode (the worker's running sequences
+//                 in the same step) + transfer(pool part) + prefill(rest)
 //
 // Ties go to the lower load, then the fewer queued tokens; candidates still tied (equal
 // score, load and queued tokens: every idle instance on a quiet cluster) are picked
@@ -28,7 +29,6 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "kvpool/router/kv_index.h"
 
@@ -56,7 +56,7 @@ struct Candidate {
   uint32_t pool_blocks = 0;  // further prefix blocks fetched from DRAM/NVMe
   double load = 0;           // requests: running + waiting + in flight
   uint64_t queued_tokens = 0;
-  double est_ttft_s = 0;     // queue + transfer + prefill (+ KDA replay)
+  double est_ttft_s = 0;     // queue + decode + transfer + prefill (+ KDA replay)
 };
 
 struct PolicyParams {
@@ -90,10 +90,10 @@ class Policy {
   size_t Random(std::span<const Candidate> c);
   size_t RoundRobin(uint32_t group, std::span<const Candidate> c);
   size_t PowerOfTwo(std::span<const Candidate> c);
-  size_t sessions() const { return sessions_.size(); }
+  size_t sessions() const { return num_sessions_; }
 
  private:
-  void RememberSession(std::string key, std::string instance_id);
+  void RememberSession(uint32_t group, absl::string_view session_id, std::string instance_id);
   // The best eligible candidate under the strict order `better(i, j)`; ties (neither
   // better) are broken uniformly with rng_. c.size() when none is eligible.
   template <typename Better, typename Eligible>
@@ -107,7 +107,9 @@ class Policy {
     std::string instance_id;
     uint64_t last_use;
   };
-  absl::flat_hash_map<std::string, Sticky> sessions_;  // key: group, ':', session id
+  // Per group: session id -> its instance (looked up by string_view, no allocation).
+  std::vector<absl::flat_hash_map<std::string, Sticky>> sessions_;
+  size_t num_sessions_ = 0;  // over all groups, at most max_sessions
   uint64_t session_clock_ = 0;
 };
 
@@ -123,16 +125,17 @@ size_t Policy::Choose(PolicyKind kind, uint32_t group, std::span<const Candidate
     case PolicyKind::kTtft: return Ttft(c);
     case PolicyKind::kSession: {
       if (session_id.empty()) return LeastLoad(c);
-      std::string key = absl::StrCat(group, ":", session_id);
-      auto it = sessions_.find(key);
-      if (it != sessions_.end()) {
+      if (group >= sessions_.size()) sessions_.resize(size_t{group} + 1);
+      auto& mine = sessions_[group];
+      auto it = mine.find(session_id);
+      if (it != mine.end()) {
         it->second.last_use = ++session_clock_;
         for (size_t i = 0; i < c.size(); ++i) {
           if (instance_id(c[i].slot) == it->second.instance_id) return i;
         }
       }
       const size_t i = LeastLoad(c);  // new session, or its instance is gone
-      RememberSession(std::move(key), std::string(instance_id(c[i].slot)));
+      RememberSession(group, session_id, std::string(instance_id(c[i].slot)));
       return i;
     }
   }

@@ -9,7 +9,7 @@
 //
 //   hashes ─► KvIndex::FindMatches ─► per worker of the model:
 //               gpu hit g, pool run p beyond g  ─► hybrid limit (strict | replay)
-//               ─► fetch-vs-recompute on p ─► est TTFT = queue + transfer + prefill
+//               ─► fetch-vs-recompute on p ─► est TTFT = queue + decode + transfer + prefill
 //             ─► Policy::Choose ─► SLO check ─► LoadTracker::AddDecision
 //             ─► (approximate-mode instance) predicted blocks stored with a TTL
 //
