@@ -4,7 +4,12 @@
 // and an initiator killed mid-stream (the owner keeps serving others).
 #include <gtest/gtest.h>
 
+#include <signal.h>
+
+#include <atomic>
+#include <chrono>
 #include <numeric>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -179,6 +184,71 @@ TEST_P(MultiProcessTest, InitiatorKilledOwnerKeepsServing) {
   EXPECT_EQ(FirstMismatch(local_->Page(1), 3, 251 * kPage), -1);
   o.child.WriteLine("quit");
   EXPECT_EQ(o.child.Wait(), 0);
+}
+
+// An owner that stalls in the middle of a get, on an endpoint UCX cannot force-close
+// (active messages over same-host shared memory: no peer failure detection): the batch
+// fails at its deadline, and once the owner resumes nothing more lands in the caller's
+// pages, which it may have reused. Before, a reply over 1 MiB came by rendezvous, received
+// straight into the pages by a request UCX cannot cancel: the rest of it landed after the
+// failure. Skips only when UCX gives these lanes peer failure detection, or when the owner
+// could not be stopped mid-transfer in five tries.
+TEST(MultiProcessStall, AGetThatTimedOutWritesNothingAfterwards) {
+  constexpr uint64_t kBig = uint64_t{64} << 20;  // one page: 64 messages of 1 MiB, or one
+  ContextOptions co;
+  co.ucx_config.push_back({"TLS", "posix,sysv,self"});
+  WorkerOptions wo;
+  wo.protocol = Protocol::kActiveMessage;
+  wo.batch_timeout = absl::Seconds(1);
+  auto ctx = Context::Create(co);
+  ASSERT_TRUE(ctx.ok()) << ctx.status();
+  auto worker = Worker::Create(*ctx, wo);
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  auto local = (*worker)->AllocateArena(kBig, kBig);
+  ASSERT_TRUE(local.ok()) << local.status();
+  const std::span<std::byte> page = (*local)->Page(0);
+  bool stalled = false;
+  for (int attempt = 0; attempt < 5 && !stalled; ++attempt) {
+    Owner o;
+    ASSERT_TRUE(o.child.Start({KVPOOL_TRANSPORT_PEER, "owner", "1", std::to_string(kBig), "5",
+                               "posix,sysv,self", "am"}));
+    const std::string a = o.child.ReadLine(), r = o.child.ReadLine();
+    ASSERT_TRUE(absl::StartsWith(a, "ADDR ") && absl::StartsWith(r, "ARENA ")) << a << " " << r;
+    auto arena = RemoteArena::Parse(FromHex(r.substr(6)));
+    ASSERT_TRUE(arena.ok()) << arena.status();
+    auto ep = (*worker)->Connect(FromHex(a.substr(5)), "owner");
+    ASSERT_TRUE(ep.ok()) << ep.status();
+    ASSERT_TRUE((*ep)->ImportArena(*arena).ok());
+    ASSERT_EQ((*ep)->protocol(), Protocol::kActiveMessage);
+    if ((*ep)->peer_failure_detection()) GTEST_SKIP() << "UCX detects peer failure on these lanes: it can cancel";
+    FillPattern(page, 9, 0);
+    std::future<absl::Status> f = (*ep)->Get({{{(*local)->id(), {0}, 0}, {arena->arena_id, {0}, 0}}});
+    // Stop the owner once the first bytes landed.
+    const absl::Time give_up = absl::Now() + absl::Seconds(5);
+    while (FirstMismatch(page.subspan(0, 64), 9, 0) < 0 && absl::Now() < give_up &&
+           f.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+      std::atomic_thread_fence(std::memory_order_acquire);
+    }
+    kill(o.child.pid(), SIGSTOP);
+    std::atomic_thread_fence(std::memory_order_acquire);
+    const bool partial = FirstMismatch(page.subspan(kBig - 64), 9, kBig - 64) < 0;  // the tail not yet
+    if (!partial || f.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+      kill(o.child.pid(), SIGCONT);
+      (void)Await(std::move(f));
+      o.child.WriteLine("quit");
+      o.child.Wait();
+      continue;  // it all landed before the stop: try again
+    }
+    stalled = true;
+    EXPECT_FALSE(Await(std::move(f)).ok()) << "the stalled get succeeded";
+    FillPattern(page, 11, 0);  // the caller reuses its pages
+    kill(o.child.pid(), SIGCONT);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // the owner sends the rest
+    std::atomic_thread_fence(std::memory_order_acquire);
+    EXPECT_EQ(FirstMismatch(page, 11, 0), -1) << "bytes of the failed get landed after it failed";
+    o.child.Kill();
+  }
+  if (!stalled) GTEST_SKIP() << "the get finished before the owner could be stopped, 5 times";
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, MultiProcessTest,

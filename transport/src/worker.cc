@@ -1201,6 +1201,26 @@ void WorkerImpl::StartRma(Batch& b) {
 }
 
 void WorkerImpl::StartAm(Batch& b) {
+  // A get reply above kEagerMaxBytes comes by rendezvous, received straight into the
+  // caller's pages. On an endpoint UCX cannot force-close (no peer failure detection:
+  // same-host shared memory) a stalled but live peer can go on writing them after the
+  // batch failed at its deadline: UCX cannot cancel an AM receive. There a get goes in
+  // pieces of at most kEagerMaxBytes: an eager reply lands in UCX's buffer and is copied
+  // in only while the batch is still awaited (OnInitiatorReply), so a late one is dropped.
+  if (b.dir == Direction::kGet && !b.ep->peer_failure_detection_) {
+    std::vector<Segment> pieces;
+    pieces.reserve(b.segs.size());
+    for (const Segment& s : b.segs) {
+      for (uint64_t off = 0; off < s.len; off += kEagerMaxBytes) {
+        Segment p = s;
+        p.local = s.local + off;
+        p.remote_offset = s.remote_offset + off;
+        p.len = std::min<uint64_t>(kEagerMaxBytes, s.len - off);
+        pieces.push_back(p);
+      }
+    }
+    b.segs = std::move(pieces);
+  }
   // Messages: a large segment travels alone, as one contiguous buffer on both sides (the
   // contiguous-datatype rendezvous ucx_perftest's am_bw baseline uses too, rather than
   // UCX's generic iov path); small ones are gathered, up to kMaxSegsPerMsg per message,
