@@ -194,7 +194,6 @@ TEST_P(MultiProcessTest, InitiatorKilledOwnerKeepsServing) {
 // failure. Skips only when UCX gives these lanes peer failure detection, or when the owner
 // could not be stopped mid-transfer in five tries.
 TEST(MultiProcessStall, AGetThatTimedOutWritesNothingAfterwards) {
-  constexpr uint64_t kBig = uint64_t{64} << 20;  // one page: 64 messages of 1 MiB, or one
   ContextOptions co;
   co.ucx_config.push_back({"TLS", "posix,sysv,self"});
   WorkerOptions wo;
@@ -204,51 +203,65 @@ TEST(MultiProcessStall, AGetThatTimedOutWritesNothingAfterwards) {
   ASSERT_TRUE(ctx.ok()) << ctx.status();
   auto worker = Worker::Create(*ctx, wo);
   ASSERT_TRUE(worker.ok()) << worker.status();
-  auto local = (*worker)->AllocateArena(kBig, kBig);
-  ASSERT_TRUE(local.ok()) << local.status();
-  const std::span<std::byte> page = (*local)->Page(0);
-  bool stalled = false;
-  for (int attempt = 0; attempt < 5 && !stalled; ++attempt) {
-    Owner o;
-    ASSERT_TRUE(o.child.Start({KVPOOL_TRANSPORT_PEER, "owner", "1", std::to_string(kBig), "5",
-                               "posix,sysv,self", "am"}));
-    const std::string a = o.child.ReadLine(), r = o.child.ReadLine();
-    ASSERT_TRUE(absl::StartsWith(a, "ADDR ") && absl::StartsWith(r, "ARENA ")) << a << " " << r;
-    auto arena = RemoteArena::Parse(FromHex(r.substr(6)));
-    ASSERT_TRUE(arena.ok()) << arena.status();
-    auto ep = (*worker)->Connect(FromHex(a.substr(5)), "owner");
-    ASSERT_TRUE(ep.ok()) << ep.status();
-    ASSERT_TRUE((*ep)->ImportArena(*arena).ok());
-    ASSERT_EQ((*ep)->protocol(), Protocol::kActiveMessage);
-    if ((*ep)->peer_failure_detection()) GTEST_SKIP() << "UCX detects peer failure on these lanes: it can cancel";
-    FillPattern(page, 9, 0);
-    std::future<absl::Status> f = (*ep)->Get({{{(*local)->id(), {0}, 0}, {arena->arena_id, {0}, 0}}});
-    // Stop the owner once the first bytes landed.
-    const absl::Time give_up = absl::Now() + absl::Seconds(5);
-    while (FirstMismatch(page.subspan(0, 64), 9, 0) < 0 && absl::Now() < give_up &&
-           f.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+  // One 64 MiB page (cut into messages), and 1,024 pages of 48 KiB taken in reverse
+  // order (no two adjacent: each its own segment, gathered into messages).
+  struct Layout {
+    uint64_t pages, page_bytes;
+  };
+  for (const Layout& l : {Layout{1, uint64_t{64} << 20}, Layout{1024, 48 << 10}}) {
+    SCOPED_TRACE(absl::StrCat(l.pages, " pages of ", l.page_bytes, " bytes"));
+    const uint64_t total = l.pages * l.page_bytes;
+    auto local = (*worker)->AllocateArena(total, l.page_bytes);
+    ASSERT_TRUE(local.ok()) << local.status();
+    const std::span<std::byte> all((*local)->base(), total);
+    std::vector<uint64_t> local_pages(l.pages), remote_pages(l.pages);
+    std::iota(local_pages.begin(), local_pages.end(), 0);
+    for (uint64_t k = 0; k < l.pages; ++k) remote_pages[k] = l.pages - 1 - k;
+    bool stalled = false;
+    for (int attempt = 0; attempt < 5 && !stalled; ++attempt) {
+      Owner o;
+      ASSERT_TRUE(o.child.Start({KVPOOL_TRANSPORT_PEER, "owner", std::to_string(l.pages),
+                                 std::to_string(l.page_bytes), "5", "posix,sysv,self", "am"}));
+      const std::string a = o.child.ReadLine(), r = o.child.ReadLine();
+      ASSERT_TRUE(absl::StartsWith(a, "ADDR ") && absl::StartsWith(r, "ARENA ")) << a << " " << r;
+      auto arena = RemoteArena::Parse(FromHex(r.substr(6)));
+      ASSERT_TRUE(arena.ok()) << arena.status();
+      auto ep = (*worker)->Connect(FromHex(a.substr(5)), "owner");
+      ASSERT_TRUE(ep.ok()) << ep.status();
+      ASSERT_TRUE((*ep)->ImportArena(*arena).ok());
+      ASSERT_EQ((*ep)->protocol(), Protocol::kActiveMessage);
+      if ((*ep)->peer_failure_detection()) GTEST_SKIP() << "UCX detects peer failure on these lanes: it can cancel";
+      FillPattern(all, 9, 0);
+      std::future<absl::Status> f =
+          (*ep)->Get({{{(*local)->id(), local_pages, 0}, {arena->arena_id, remote_pages, 0}}});
+      // Stop the owner once the first bytes landed; let what it already sent drain.
+      const absl::Time give_up = absl::Now() + absl::Seconds(5);
+      while (FirstMismatch(all.subspan(0, 64), 9, 0) < 0 && absl::Now() < give_up &&
+             f.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+        std::atomic_thread_fence(std::memory_order_acquire);
+      }
+      kill(o.child.pid(), SIGSTOP);
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
       std::atomic_thread_fence(std::memory_order_acquire);
-    }
-    kill(o.child.pid(), SIGSTOP);
-    std::atomic_thread_fence(std::memory_order_acquire);
-    const bool partial = FirstMismatch(page.subspan(kBig - 64), 9, kBig - 64) < 0;  // the tail not yet
-    if (!partial || f.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+      const bool partial = FirstMismatch(all.subspan(total - 64), 9, total - 64) < 0;  // the tail not yet
+      if (!partial || f.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+        kill(o.child.pid(), SIGCONT);
+        (void)Await(std::move(f));
+        o.child.WriteLine("quit");
+        o.child.Wait();
+        continue;  // it all landed before the stop: try again
+      }
+      stalled = true;
+      EXPECT_FALSE(Await(std::move(f)).ok()) << "the stalled get succeeded";
+      FillPattern(all, 11, 0);  // the caller reuses its pages
       kill(o.child.pid(), SIGCONT);
-      (void)Await(std::move(f));
-      o.child.WriteLine("quit");
-      o.child.Wait();
-      continue;  // it all landed before the stop: try again
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // the owner sends the rest
+      std::atomic_thread_fence(std::memory_order_acquire);
+      EXPECT_EQ(FirstMismatch(all, 11, 0), -1) << "bytes of the failed get landed after it failed";
+      o.child.Kill();
     }
-    stalled = true;
-    EXPECT_FALSE(Await(std::move(f)).ok()) << "the stalled get succeeded";
-    FillPattern(page, 11, 0);  // the caller reuses its pages
-    kill(o.child.pid(), SIGCONT);
-    std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // the owner sends the rest
-    std::atomic_thread_fence(std::memory_order_acquire);
-    EXPECT_EQ(FirstMismatch(page, 11, 0), -1) << "bytes of the failed get landed after it failed";
-    o.child.Kill();
+    if (!stalled) GTEST_SKIP() << "the get finished before the owner could be stopped, 5 times";
   }
-  if (!stalled) GTEST_SKIP() << "the get finished before the owner could be stopped, 5 times";
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, MultiProcessTest,

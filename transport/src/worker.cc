@@ -1205,9 +1205,11 @@ void WorkerImpl::StartAm(Batch& b) {
   // caller's pages. On an endpoint UCX cannot force-close (no peer failure detection:
   // same-host shared memory) a stalled but live peer can go on writing them after the
   // batch failed at its deadline: UCX cannot cancel an AM receive. There a get goes in
-  // pieces of at most kEagerMaxBytes: an eager reply lands in UCX's buffer and is copied
-  // in only while the batch is still awaited (OnInitiatorReply), so a late one is dropped.
-  if (b.dir == Direction::kGet && !b.ep->peer_failure_detection_) {
+  // messages of at most kEagerMaxBytes (large segments cut, small ones gathered only up
+  // to it): an eager reply lands in UCX's buffer and is copied in only while the batch is
+  // still awaited (OnInitiatorReply), so a late one is dropped.
+  const bool eager_only = b.dir == Direction::kGet && !b.ep->peer_failure_detection_;
+  if (eager_only) {
     std::vector<Segment> pieces;
     pieces.reserve(b.segs.size());
     for (const Segment& s : b.segs) {
@@ -1229,7 +1231,10 @@ void WorkerImpl::StartAm(Batch& b) {
   for (size_t i = 0; i < b.segs.size();) {
     size_t n = 1;
     if (b.segs[i].len < kAloneBytes) {
-      while (i + n < b.segs.size() && n < kMaxSegsPerMsg && b.segs[i + n].len < kAloneBytes) {
+      uint64_t bytes = b.segs[i].len;  // eager_only: a gathered reply stays eager too
+      while (i + n < b.segs.size() && n < kMaxSegsPerMsg && b.segs[i + n].len < kAloneBytes &&
+             (!eager_only || bytes + b.segs[i + n].len <= kEagerMaxBytes)) {
+        bytes += b.segs[i + n].len;
         ++n;
       }
     }
