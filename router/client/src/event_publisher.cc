@@ -37,9 +37,12 @@ class BatchBound {
   size_t events_ = 0;
   size_t bytes_;
 };
-// Completed decisions kept for the next heartbeat, at most (older ones time out in the
-// router anyway).
-constexpr size_t kMaxCompleted = 65536;
+// Completed decisions one heartbeat carries, at most (the router refuses more); the rest
+// wait for the next ones.
+constexpr size_t kMaxCompletedPerHeartbeat = 65536;
+// Completed decisions kept for later heartbeats, at most (a worker's queue is at most
+// 1,000,000 requests; beyond, they time out in the router).
+constexpr size_t kMaxCompleted = size_t{1} << 20;
 }  // namespace
 
 EventPublisher::EventPublisher(EventPublisherOptions options) : opts_(std::move(options)) {}
@@ -264,7 +267,9 @@ EventPublisher::HeartbeatOutcome EventPublisher::SendHeartbeat() {
   std::vector<uint64_t> completed;
   {
     absl::MutexLock l(&mu_);
-    completed.swap(completed_);
+    const size_t n = std::min(completed_.size(), kMaxCompletedPerHeartbeat);
+    completed.assign(completed_.begin(), completed_.begin() + static_cast<ptrdiff_t>(n));
+    completed_.erase(completed_.begin(), completed_.begin() + static_cast<ptrdiff_t>(n));
   }
   if (opts_.load) *req.mutable_load() = opts_.load();
   for (uint64_t d : completed) req.add_completed_decisions(d);
@@ -276,9 +281,8 @@ EventPublisher::HeartbeatOutcome EventPublisher::SendHeartbeat() {
     spdlog::warn("router {}: Heartbeat failed: {}", opts_.router_address, s.error_message());
     // Put the decisions back (up to the cap) so the next heartbeat reports them.
     absl::MutexLock l(&mu_);
-    for (uint64_t d : completed) {
-      if (completed_.size() >= kMaxCompleted) break;
-      completed_.push_back(d);
+    for (auto it = completed.rbegin(); it != completed.rend() && completed_.size() < kMaxCompleted; ++it) {
+      completed_.push_front(*it);
     }
     return HeartbeatOutcome::kFailed;
   }

@@ -31,9 +31,13 @@ class FakeRouter final : public v1::Router::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest*, v1::HeartbeatResponse* resp) override {
+  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* req, v1::HeartbeatResponse* resp) override {
     absl::MutexLock l(&mu);
     ++heartbeats;
+    if (fail_heartbeats == 0) {
+      completed += req->completed_decisions_size();
+      most_completed = std::max(most_completed, req->completed_decisions_size());
+    }
     if (fail_heartbeats > 0) {
       --fail_heartbeats;
       return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "injected: heartbeat timed out");
@@ -68,6 +72,8 @@ class FakeRouter final : public v1::Router::Service {
   absl::Mutex mu;
   int registers ABSL_GUARDED_BY(mu) = 0;
   int heartbeats ABSL_GUARDED_BY(mu) = 0;
+  int completed ABSL_GUARDED_BY(mu) = 0;       // completed decisions of accepted heartbeats
+  int most_completed ABSL_GUARDED_BY(mu) = 0;  // in one of them
   int streams ABSL_GUARDED_BY(mu) = 0;
   int full_dumps ABSL_GUARDED_BY(mu) = 0;
   int events ABSL_GUARDED_BY(mu) = 0;
@@ -144,6 +150,21 @@ TEST_F(EventPublisherTest, OneFailedHeartbeatDoesNotRegisterAgain) {
   EXPECT_EQ(fake_.streams, 1);
   EXPECT_EQ(pub.registrations(), 1u);
   EXPECT_EQ(pub.dumps_sent(), 1u);
+}
+
+// More completed decisions than one heartbeat may carry (the router refuses over 65,536)
+// go out over the following heartbeats, none lost. Before, those beyond 65,536 were
+// dropped without a word and waited in the router for its decision timeout.
+TEST_F(EventPublisherTest, CompletedDecisionsBeyondOneHeartbeatGoInTheNextOnes) {
+  StartServer();
+  EventPublisher pub(Options(10));
+  for (uint64_t d = 1; d <= 70'000; ++d) pub.CompleteDecision(d);
+  pub.Start();
+  ASSERT_TRUE(AwaitFake([](FakeRouter& f) ABSL_NO_THREAD_SAFETY_ANALYSIS { return f.completed >= 70'000; }))
+      << "completed decisions were lost";
+  absl::MutexLock l(&fake_.mu);
+  EXPECT_EQ(fake_.completed, 70'000);
+  EXPECT_LE(fake_.most_completed, 65'536);
 }
 
 // A router that stays unreachable for heartbeats is given up on: register + dump again.

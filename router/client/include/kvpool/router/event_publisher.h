@@ -145,7 +145,7 @@ class EventPublisher {
 
   mutable absl::Mutex mu_;
   std::deque<v1::KvEvent> queue_ ABSL_GUARDED_BY(mu_);
-  std::vector<uint64_t> completed_ ABSL_GUARDED_BY(mu_);
+  std::deque<uint64_t> completed_ ABSL_GUARDED_BY(mu_);
   bool streaming_ ABSL_GUARDED_BY(mu_) = false;  // queue only while a stream is up
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   grpc::ClientContext* live_ctx_ ABSL_GUARDED_BY(mu_) = nullptr;
