@@ -85,8 +85,8 @@ struct ReservationState {
   // Index of each entry by block hash (unique in a reservation): a Commit of a few
   // entries of a large reservation claims them without scanning it under the lock.
   absl::flat_hash_map<BlockHash, uint32_t> by_hash;
-  // Stored objects its new entries hang from (a parent; a checkpoint's KV block), pinned
-  // in DRAM until it ends (FreeReservation unpins them).
+  // Stored objects its new entries hang from (a parent; a checkpoint's KV block; its own
+  // entries once committed), pinned in DRAM until it ends (FreeReservation unpins them).
   std::vector<ObjectKey> held_parents;
 };
 

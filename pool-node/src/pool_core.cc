@@ -498,6 +498,10 @@ absl::StatusOr<std::vector<CommitOutcome>> PoolCore::Commit(uint64_t reservation
         out[i].status = OtherLengthError(re.spec, existing->length);
       } else {
         im.Touch(*existing);
+        if (existing->copy[kD]) {  // as below: a later entry may hang from it
+          im.Pin(*existing);
+          rs.held_parents.push_back(key);
+        }
       }
       im.FreeReservedEntry(rs, re);
       continue;
@@ -513,6 +517,11 @@ absl::StatusOr<std::vector<CommitOutcome>> PoolCore::Commit(uint64_t reservation
     im.UnpinnedByClient(rs.client, re.pages.size());
     im.AddCopy(*p, kD, std::move(re.pages));
     re.pages.clear();
+    // Pinned until the reservation ends: a Put commits a chain piece by piece, and the
+    // next piece's first entry hangs from this one (evicted meanwhile, it would be
+    // stored where no prefix Lookup reaches it).
+    im.Pin(*p);
+    rs.held_parents.push_back(key);
   }
   // The reservation ends with its last Commit, as counted by the final one.
   if (--rs.committing == 0) im.ExpiryOn(reservation_id, rs);

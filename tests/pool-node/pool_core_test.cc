@@ -682,6 +682,41 @@ TEST_F(PoolCoreTest, ReserveNeverEvictsTheParentOfAnEntryItReserves) {
   }
 }
 
+// A chain put in pieces (partial Commits): an entry committed early stays while a later
+// entry of the same reservation, its child, is still to come. Before, H(1), committed
+// first and the LRU leaf, was evicted by another client's Put and H(2) stored an orphan.
+TEST_F(PoolCoreTest, AnEntryCommittedEarlyStaysForItsChildInTheSameReservation) {
+  auto core = Make(4);
+  const std::vector<ReserveEntrySpec> specs = {{H(1), std::nullopt, StateKind::kAttnKv, kPage},
+                                               {H(2), H(1), StateKind::kAttnKv, kPage}};
+  auto r = core->Reserve(specs);
+  ASSERT_TRUE(r.ok()) << r.status();
+  const std::string a = Pattern(1, kPage), b = Pattern(2, kPage);
+  core->CopyToRun(r->slots[0].run, testing::Bytes(a));
+  const CommitEntrySpec ca{H(1), Checksum64(testing::Bytes(a))};
+  auto c1 = core->Commit(r->id, {&ca, 1}, /*partial=*/true);
+  ASSERT_TRUE(c1.ok()) << c1.status();
+  ASSERT_TRUE((*c1)[0].status.ok());
+  ASSERT_TRUE(Put(*core, H(10), std::nullopt, Pattern(10, kPage)).ok());
+  ASSERT_TRUE(Put(*core, H(11), std::nullopt, Pattern(11, kPage)).ok());  // full; H(1) the LRU leaf
+  ASSERT_TRUE(Put(*core, H(12), std::nullopt, Pattern(12, kPage)).ok());
+  EXPECT_TRUE(core->Inspect({H(1), StateKind::kAttnKv}).has_value()) << "evicted before its child came";
+  EXPECT_FALSE(core->Inspect({H(10), StateKind::kAttnKv}).has_value());
+  core->CopyToRun(r->slots[1].run, testing::Bytes(b));
+  const CommitEntrySpec cb{H(2), Checksum64(testing::Bytes(b))};
+  auto c2 = core->Commit(r->id, {&cb, 1});
+  ASSERT_TRUE(c2.ok()) << c2.status();
+  ASSERT_TRUE((*c2)[0].status.ok());
+  auto ans = core->Lookup({.hashes = {H(1), H(2)}});
+  ASSERT_TRUE(ans.ok()) << ans.status();
+  EXPECT_EQ(ans->prefix_blocks, 2u);
+  EXPECT_TRUE(core->Release(ans->lease_id).ok());
+  // The reservation is over: nothing of it stays pinned.
+  for (uint64_t i = 20; i < 24; ++i) ASSERT_TRUE(Put(*core, H(i), std::nullopt, Pattern(i, kPage)).ok()) << i;
+  EXPECT_FALSE(core->Inspect({H(1), StateKind::kAttnKv}).has_value());
+  EXPECT_TRUE(core->CheckIndex().ok()) << core->CheckIndex();
+}
+
 // ... nor by another Reserve while the reservation waits for its Commit: the parent stays
 // pinned until the reservation ends (committed, ended or timed out), then is evictable
 // again. Before, the pin ended with the Reserve call.
