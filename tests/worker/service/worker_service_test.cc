@@ -989,7 +989,10 @@ TEST(WorkerService, APoolCheckpointBeforeTheLocalHitIsFetched) {
     const int forwards_before = forwards;
     absl::StatusOr<Answer> t;
     std::thread third_request([&] { t = worker_b.Generate(third, 2); });
-    while (forwards == forwards_before) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    for (int i = 0; i < 30000 && forwards == forwards_before; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    EXPECT_GT(forwards, forwards_before) << "its step never started";
     EXPECT_EQ(worker_b.Stats().load().queued_prefill_tokens(), mode == "strict" ? 138u : 10u);
     hold = false;
     third_request.join();

@@ -394,7 +394,12 @@ void Engine::Admit(std::unique_ptr<Pending> p) {
       p->pool_fetch_s = Seconds(MonotonicNow() - t1);
       // What it fetched is cached here now (blocks, or a checkpoint alone, alike).
       p->prefill_tokens = TokensToCompute(chain, n);
+    } else {
+      const bool strict = cfg_.spec.IsHybrid() && cfg_.runner.hybrid_mode == cache::HybridHitMode::kStrict;
+      p->prefill_tokens = n - (strict ? local_ckpt : local) * b;  // cached since it arrived, maybe
     }
+  } else if (!p->chain.empty()) {
+    p->prefill_tokens = TokensToCompute(p->chain, n);  // no pool: what is cached here now
   }
   std::vector<BlockHash>().swap(p->chain);  // not needed past admission
   model::GenerateRequest g;
