@@ -134,6 +134,7 @@ struct NodeServer::State {
   std::unique_ptr<RouterPublisher> publisher;
   std::unique_ptr<PoolCore> core;
   MetricsRegistry metrics;
+  uint64_t scrape_hook = 0;  // reads the core: removed before it goes
   std::unique_ptr<MetricsHttpServer> http;
   std::unique_ptr<PoolNodeService> service;
   std::unique_ptr<grpc::Server> server;
@@ -145,6 +146,7 @@ struct NodeServer::State {
     if (server) server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
     if (service) service->Drain();  // Lookups waiting for NVMe use the core: before it goes
     http.reset();
+    if (scrape_hook != 0) metrics.RemoveScrapeHook(scrape_hook);
     // The core's background thread calls the publisher (OnStored/OnRemoved from
     // demotion) and the publisher's thread reads the core (full dumps): stop the core's
     // thread first, so nothing calls the publisher once it goes, then the publisher,
@@ -224,7 +226,7 @@ absl::StatusOr<std::unique_ptr<NodeServer>> NodeServer::Start(NodeConfig config)
   }
   PoolCore* core = s.core.get();
   MetricsRegistry* reg = &s.metrics;
-  s.metrics.AddScrapeHook([core, reg] {
+  s.scrape_hook = s.metrics.AddScrapeHook([core, reg] {
     const PoolStatsSnapshot st = core->Stats();
     for (int t = 0; t < (st.has_nvme ? kNumTiers : 1); ++t) {
       const MetricLabels tier = {{"tier", t == 0 ? "dram" : "nvme"}};

@@ -35,6 +35,8 @@ TEST(HostPort, DialAddresses) {
       {"...:1", "not an IPv4 address"},
       {"a..b:1", "empty label"},
       {"host-.example:1", "starts or ends with '-'"},
+      {"0.0.0.0:50062", "unspecified"},  // a listening wildcard: dialing it reaches the dialer itself
+      {"[::]:50062", "unspecified"},
   };
   for (const auto& [addr, why] : bad) {
     EXPECT_NE(HostPortProblem(addr, HostPortUse::kDial).find(why), std::string::npos)

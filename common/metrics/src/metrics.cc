@@ -118,18 +118,24 @@ Histogram& MetricsRegistry::GetHistogram(absl::string_view name, absl::string_vi
   return *slot;
 }
 
-void MetricsRegistry::AddScrapeHook(std::function<void()> hook) {
-  absl::MutexLock lock(&mu_);
-  hooks_.push_back(std::move(hook));
+uint64_t MetricsRegistry::AddScrapeHook(std::function<void()> hook) {
+  absl::MutexLock lock(&hooks_mu_);
+  const uint64_t id = next_hook_++;
+  hooks_.emplace_back(id, std::move(hook));
+  return id;
+}
+
+void MetricsRegistry::RemoveScrapeHook(uint64_t id) {
+  absl::MutexLock lock(&hooks_mu_);
+  std::erase_if(hooks_, [id](const auto& h) { return h.first == id; });
 }
 
 std::string MetricsRegistry::Render() const {
-  std::vector<std::function<void()>> hooks;
   {
-    absl::MutexLock lock(&mu_);
-    hooks = hooks_;
+    // Under hooks_mu_, not mu_ (hooks call GetGauge): RemoveScrapeHook waits for them.
+    absl::MutexLock lock(&hooks_mu_);
+    for (const auto& [id, h] : hooks_) h();
   }
-  for (const auto& h : hooks) h();  // outside the lock: hooks call GetGauge
 
   absl::MutexLock lock(&mu_);
   std::string out;
@@ -145,7 +151,9 @@ std::string MetricsRegistry::Render() const {
       }
       absl::StrAppend(&out, name, "_bucket", WithLe(labels, "+Inf"), " ", counts.back(), "\n");
       absl::StrAppend(&out, name, "_sum", labels, " ", Num(h->sum()), "\n");
-      absl::StrAppend(&out, name, "_count", labels, " ", h->count(), "\n");
+      // The +Inf bucket's count, read in the same pass as the buckets: count() is a
+      // separate atomic, and an Observe between the reads made _count and +Inf differ.
+      absl::StrAppend(&out, name, "_count", labels, " ", counts.back(), "\n");
     }
   }
   return out;

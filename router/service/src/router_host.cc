@@ -41,7 +41,7 @@ absl::StatusOr<std::unique_ptr<RouterHost>> RouterHost::Create(RouterHostOptions
                                                   Histogram::ExponentialBounds(1e-6, 4, 10));
     host->queued_batches_ = &metrics->GetGauge("kvpool_router_queued_event_batches", "Event batches waiting");
     RouterHost* h = host.get();
-    metrics->AddScrapeHook([h] { h->RefreshGauges(); });
+    host->scrape_hook_ = metrics->AddScrapeHook([h] { h->RefreshGauges(); });
   }
   host->applier_ = std::thread([h = host.get()] { h->ApplierLoop(); });
   return host;
@@ -53,6 +53,8 @@ RouterHost::RouterHost(RouterHostOptions options, MetricsRegistry* metrics, Cloc
       clock_(clock ? std::move(clock) : Clock([] { return MonotonicNow(); })) {}
 
 RouterHost::~RouterHost() {
+  // The registry may outlive this host: its hook must not run on a host that is gone.
+  if (metrics_ != nullptr && scrape_hook_ != 0) metrics_->RemoveScrapeHook(scrape_hook_);
   {
     absl::MutexLock l(&queue_mu_);
     stop_ = true;

@@ -36,6 +36,21 @@ TEST(MetricsRegistryTest, SameSeriesIsReturnedAgainAndHooksRun) {
   EXPECT_NE(r.Render().find("g 2"), std::string::npos);
 }
 
+// A removed hook never runs again: an owner removes the hook that reads its state
+// before that state goes (RouterHost, the pool node). Before, hooks could not be removed
+// and a Render after the owner went called into freed memory.
+TEST(MetricsRegistryTest, ARemovedHookRunsNoMore) {
+  MetricsRegistry r;
+  int a = 0, b = 0;
+  const uint64_t ha = r.AddScrapeHook([&] { ++a; });
+  r.AddScrapeHook([&] { ++b; });
+  r.Render();
+  r.RemoveScrapeHook(ha);
+  r.Render();
+  EXPECT_EQ(a, 1);
+  EXPECT_EQ(b, 2);
+}
+
 TEST(MetricsHttpServerTest, ServesMetricsOverHttp) {
   MetricsRegistry r;
   r.GetCounter("kvpool_up_total", "Up").Increment();

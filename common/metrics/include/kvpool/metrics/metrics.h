@@ -83,8 +83,12 @@ class MetricsRegistry {
   Histogram& GetHistogram(absl::string_view name, absl::string_view help,
                           const std::vector<double>& bounds, const MetricLabels& labels = {});
 
-  // Runs before every Render(): the place to refresh gauges computed from state.
-  void AddScrapeHook(std::function<void()> hook);
+  // Runs before every Render(): the place to refresh gauges computed from state. Returns
+  // an id for RemoveScrapeHook.
+  uint64_t AddScrapeHook(std::function<void()> hook);
+  // Removes a hook; once it returns the hook neither runs nor will (it waits for a Render
+  // running it). An owner whose state a hook reads calls it before that state goes.
+  void RemoveScrapeHook(uint64_t id);
 
   // Prometheus text format.
   std::string Render() const;
@@ -104,7 +108,10 @@ class MetricsRegistry {
 
   mutable absl::Mutex mu_;
   std::map<std::string, Family, std::less<>> families_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::function<void()>> hooks_ ABSL_GUARDED_BY(mu_);
+  // Held while hooks run (they take mu_ through Get*): a removal waits for them.
+  mutable absl::Mutex hooks_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  std::vector<std::pair<uint64_t, std::function<void()>>> hooks_ ABSL_GUARDED_BY(hooks_mu_);
+  uint64_t next_hook_ ABSL_GUARDED_BY(hooks_mu_) = 1;
 };
 
 // Serves GET /metrics (the registry) and GET /healthz ("ok") on host:port in a

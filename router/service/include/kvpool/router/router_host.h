@@ -134,6 +134,7 @@ class RouterHost {
   Counter* events_applied_ = nullptr;
   Counter* dropped_sources_ = nullptr;
   Histogram* event_lag_ = nullptr;
+  uint64_t scrape_hook_ = 0;  // metrics_'s hook reading this host (removed first when it goes)
   Histogram* route_latency_ = nullptr;
   Gauge* queued_batches_ = nullptr;
 
