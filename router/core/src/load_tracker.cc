@@ -1,5 +1,7 @@
 #include "kvpool/router/load_tracker.h"
 
+#include <algorithm>
+
 namespace kvpool::router {
 
 LoadTracker::PerSource& LoadTracker::At(SourceSlot slot) {
@@ -90,6 +92,16 @@ uint64_t LoadTracker::Inflight(SourceSlot slot) const {
 const InstanceLoad& LoadTracker::Reported(SourceSlot slot) const {
   static const InstanceLoad kNone;
   return slot < sources_.size() ? sources_[slot].reported : kNone;
+}
+
+void LoadTracker::Seen(SourceSlot slot, absl::Time now) {
+  PerSource& s = At(slot);
+  s.last_event = std::max(s.last_event, now);
+}
+
+absl::Time LoadTracker::last_seen(SourceSlot slot) const {
+  return slot < sources_.size() ? std::max(sources_[slot].last_heartbeat, sources_[slot].last_event)
+                                : absl::InfinitePast();
 }
 
 absl::Time LoadTracker::last_heartbeat(SourceSlot slot) const {

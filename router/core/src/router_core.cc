@@ -263,13 +263,15 @@ absl::Status RouterCore::ValidateBatch(absl::string_view source_id, const EventB
 }
 
 absl::StatusOr<EventsResult> RouterCore::ApplyEvents(absl::string_view source_id, const EventBatch& batch,
-                                                     absl::Time /*now*/) {
+                                                     absl::Time now) {
   RETURN_IF_ERROR(ValidateBatch(source_id, batch));
-  return ApplyRange(by_id_.find(source_id)->second, batch, 0, batch.events.size());
+  const SourceSlot slot = by_id_.find(source_id)->second;
+  load_.Seen(slot, now);
+  return ApplyRange(slot, batch, 0, batch.events.size());
 }
 
 absl::StatusOr<EventsResult> RouterCore::ApplyPart(absl::string_view source_id, const EventBatch& batch,
-                                                   size_t begin, size_t end, absl::Time /*now*/) {
+                                                   size_t begin, size_t end, absl::Time now) {
   if (begin > end || end > batch.events.size()) {
     return absl::InvalidArgumentError(absl::StrCat("ApplyPart: events [", begin, ", ", end, ") of a batch of ",
                                                    batch.events.size(), " events; pass begin <= end <= ",
@@ -277,6 +279,7 @@ absl::StatusOr<EventsResult> RouterCore::ApplyPart(absl::string_view source_id, 
   }
   auto it = by_id_.find(source_id);
   if (it == by_id_.end()) return FindRegistration(source_id).status();  // NOT_FOUND, naming it
+  load_.Seen(it->second, now);
   return ApplyRange(it->second, batch, begin, end);
 }
 
@@ -313,7 +316,10 @@ std::vector<std::string> RouterCore::Tick(absl::Time now) {
   for (SourceSlot slot = 0; slot < sources_.size(); ++slot) {
     Source& s = sources_[slot];
     if (!s.live) continue;
-    if (now - load_.last_heartbeat(slot) > options_.heartbeat_timeout) {
+    // A source whose events are being applied is alive even when its heartbeats wait: a
+    // publisher writes a long dump (or a backlog the applier holds back) on the thread
+    // that heartbeats, and was dropped in the middle of it, to register and dump again.
+    if (now - load_.last_seen(slot) > options_.heartbeat_timeout) {
       expired.push_back(slot);
       continue;
     }

@@ -194,6 +194,24 @@ TEST_F(RouterCoreTest, TtftCountsTheDecodeOfRunningSequences) {
   EXPECT_NE(c.status().message().find("ttft_decode_weight"), absl::string_view::npos) << c.status();
 }
 
+// Applied events keep a source alive like heartbeats: a publisher writing a long dump
+// sends no heartbeat meanwhile (one thread does both). Before, it was dropped 10 s after
+// its last heartbeat in the middle of the dump, to register and dump again from zero.
+TEST_F(RouterCoreTest, AppliedEventsKeepASourceAlive) {
+  MakeDefault(PolicyKind::kCacheAware);
+  Worker("w0");  // registered (and last heard from) at kT0; timeout 10 s
+  auto h = Hash(Tokens(16 * 4, 6));
+  for (int s : {4, 8}) {
+    EventBatch b;
+    b.events.push_back(KvEvent::Stored(++seq_["w0"], s == 4 ? BlockHash{} : h[0],
+                                       {h.begin() + (s == 4 ? 0 : 1), h.begin() + (s == 4 ? 1 : 2)}, Tier::kGpu));
+    auto r = core_->ApplyEvents("w0", b, kT0 + absl::Seconds(s));
+    ASSERT_TRUE(r.ok()) << r.status();
+  }
+  EXPECT_TRUE(core_->Tick(kT0 + absl::Seconds(15)).empty()) << "dropped 7 s after its last applied batch";
+  EXPECT_EQ(core_->Tick(kT0 + absl::Seconds(19)), std::vector<std::string>{"w0"});
+}
+
 TEST_F(RouterCoreTest, TtftSloRejectsWithResourceExhausted) {
   RouterOptions o;
   o.models = {"llama-3.3-70b"};

@@ -52,12 +52,18 @@ class LoadTracker {
   uint64_t Inflight(SourceSlot slot) const;
   const InstanceLoad& Reported(SourceSlot slot) const;
   absl::Time last_heartbeat(SourceSlot slot) const;
+  // A sign of life other than a heartbeat (an applied event batch).
+  void Seen(SourceSlot slot, absl::Time now);
+  // The later of the last heartbeat and the last Seen: what the heartbeat timeout counts
+  // from.
+  absl::Time last_seen(SourceSlot slot) const;
   size_t decisions() const { return decisions_.size(); }
 
  private:
   struct PerSource {
     InstanceLoad reported;
     absl::Time last_heartbeat = absl::InfinitePast();
+    absl::Time last_event = absl::InfinitePast();
     uint64_t inflight = 0;
     uint64_t inflight_tokens = 0;
   };
