@@ -70,6 +70,10 @@ struct ReservedEntry {
   absl::Status refused;  // ReserveSlot::status: no pages, and a Commit naming it gets this
   bool claimed = false;  // named by a Commit (verifying or done)
   std::vector<uint32_t> pages;
+  // Entries of the same reservation whose parent this one is, not yet stored: while
+  // there are any, this one (once stored) stays pinned (pinned_for_children).
+  uint32_t children_pending = 0;
+  bool pinned_for_children = false;
 };
 
 struct ReservationState {
@@ -85,8 +89,9 @@ struct ReservationState {
   // Index of each entry by block hash (unique in a reservation): a Commit of a few
   // entries of a large reservation claims them without scanning it under the lock.
   absl::flat_hash_map<BlockHash, uint32_t> by_hash;
-  // Stored objects its new entries hang from (a parent; a checkpoint's KV block; its own
-  // entries once committed), pinned in DRAM until it ends (FreeReservation unpins them).
+  // Stored objects its new entries hang from (a parent; a checkpoint's KV block), pinned
+  // in DRAM until it ends (FreeReservation unpins them). Its own entries, once stored,
+  // stay pinned only while a child of theirs in it is still to come.
   std::vector<ObjectKey> held_parents;
 };
 
@@ -298,6 +303,9 @@ class PoolCore::Impl {
   void FreeReservedEntry(ReservationState& r, ReservedEntry& e, std::vector<uint32_t>* held = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeReservation(ReservationState& r, std::vector<uint32_t>* held = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `child`, an entry of `r`, was stored: its parent in `r` has one child fewer to wait
+  // for, and is unpinned once none is left (ReservedEntry::children_pending).
+  void ChildStored(ReservationState& r, const ReservedEntry& child) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Keeps reserved pages out of use for one more reserve timeout from `now`: a
   // one-sided write may still land in them (dram_held_back_bytes). They stay charged to
   // `client` (the reservation's) until then.

@@ -412,6 +412,23 @@ void PoolCore::Impl::FreeReservation(ReservationState& r, std::vector<uint32_t>*
     if (Object* o = Find(k)) Unpin(*o);
   }
   r.held_parents.clear();
+  for (ReservedEntry& e : r.entries) {
+    if (!e.pinned_for_children) continue;
+    if (Object* o = Find(ObjectKey{e.spec.hash, e.spec.kind})) Unpin(*o);
+    e.pinned_for_children = false;
+  }
+}
+
+void PoolCore::Impl::ChildStored(ReservationState& r, const ReservedEntry& child) {
+  if (!child.spec.parent) return;
+  auto it = r.by_hash.find(*child.spec.parent);
+  if (it == r.by_hash.end()) return;
+  ReservedEntry& parent = r.entries[it->second];
+  if (parent.spec.kind != child.spec.kind || parent.children_pending == 0) return;
+  if (--parent.children_pending == 0 && parent.pinned_for_children) {
+    if (Object* o = Find(ObjectKey{parent.spec.hash, parent.spec.kind})) Unpin(*o);
+    parent.pinned_for_children = false;
+  }
 }
 
 absl::Status PoolCore::Impl::CheckClientRoom(const std::string& client, uint64_t pages,

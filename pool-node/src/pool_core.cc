@@ -372,6 +372,14 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
   rs.held_parents = std::move(parents);
   rs.by_hash.reserve(rs.entries.size());
   for (uint32_t j = 0; j < rs.entries.size(); ++j) rs.by_hash.emplace(rs.entries[j].spec.hash, j);
+  // A chain put in pieces: an entry stored by an early Commit stays pinned while its
+  // child in this reservation is still to come (see Commit).
+  for (const ReservedEntry& e : rs.entries) {
+    if (!e.spec.parent || e.pages.empty()) continue;
+    if (auto p = rs.by_hash.find(*e.spec.parent); p != rs.by_hash.end() && rs.entries[p->second].spec.kind == e.spec.kind) {
+      ++rs.entries[p->second].children_pending;
+    }
+  }
   im.ExpiryOn(out.id, rs);
   im.PinnedByClient(rs.client, rs.pages);
   im.reservations_.emplace(out.id, std::move(rs));
@@ -498,12 +506,13 @@ absl::StatusOr<std::vector<CommitOutcome>> PoolCore::Commit(uint64_t reservation
         out[i].status = OtherLengthError(re.spec, existing->length);
       } else {
         im.Touch(*existing);
-        if (existing->copy[kD]) {  // as below: a later entry may hang from it
+        if (re.children_pending > 0 && existing->copy[kD]) {  // as below
           im.Pin(*existing);
-          rs.held_parents.push_back(key);
+          re.pinned_for_children = true;
         }
       }
       im.FreeReservedEntry(rs, re);
+      im.ChildStored(rs, re);
       continue;
     }
     auto obj = std::make_unique<Object>();
@@ -517,11 +526,14 @@ absl::StatusOr<std::vector<CommitOutcome>> PoolCore::Commit(uint64_t reservation
     im.UnpinnedByClient(rs.client, re.pages.size());
     im.AddCopy(*p, kD, std::move(re.pages));
     re.pages.clear();
-    // Pinned until the reservation ends: a Put commits a chain piece by piece, and the
-    // next piece's first entry hangs from this one (evicted meanwhile, it would be
+    // A Put commits a chain piece by piece: the next piece's first entry hangs from this
+    // one, which stays pinned until it is stored (evicted meanwhile, the child would be
     // stored where no prefix Lookup reaches it).
-    im.Pin(*p);
-    rs.held_parents.push_back(key);
+    if (re.children_pending > 0) {
+      im.Pin(*p);
+      re.pinned_for_children = true;
+    }
+    im.ChildStored(rs, re);
   }
   // The reservation ends with its last Commit, as counted by the final one.
   if (--rs.committing == 0) im.ExpiryOn(reservation_id, rs);
