@@ -41,17 +41,6 @@ std::string HostProblem(absl::string_view host) {
   return "";
 }
 
-// Whether `host` (brackets and zone allowed) is 0.0.0.0 or [::]: a listening wildcard,
-// which names no one machine to dial.
-bool IsUnspecified(absl::string_view host) {
-  if (!host.empty() && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
-  if (const size_t pct = host.find('%'); pct != absl::string_view::npos) host = host.substr(0, pct);
-  const std::string h(host);
-  in_addr v4;
-  in6_addr v6;
-  if (inet_pton(AF_INET, h.c_str(), &v4) == 1) return v4.s_addr == 0;
-  return inet_pton(AF_INET6, h.c_str(), &v6) == 1 && IN6_IS_ADDR_UNSPECIFIED(&v6);
-}
 
 }  // namespace
 
@@ -84,7 +73,7 @@ std::string HostPortProblem(absl::string_view a, HostPortUse use) {
   } else if (std::string why = HostProblem(host); !why.empty()) {
     return why;
   }
-  if (use == HostPortUse::kDial && IsUnspecified(host)) {
+  if (use == HostPortUse::kDial && IsUnspecifiedHost(host)) {
     return "has an unspecified (wildcard) host, which names no one machine: give an address peers can reach";
   }
   uint32_t p = 0;
@@ -94,6 +83,16 @@ std::string HostPortProblem(absl::string_view a, HostPortUse use) {
     return use == HostPortUse::kListen ? "has no port in 0..65535 (0 picks one)" : "has no port in 1..65535";
   }
   return "";
+}
+
+bool IsUnspecifiedHost(absl::string_view host) {
+  if (!host.empty() && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  if (const size_t pct = host.find('%'); pct != absl::string_view::npos) host = host.substr(0, pct);
+  const std::string h(host);
+  in_addr v4;
+  in6_addr v6;
+  if (inet_pton(AF_INET, h.c_str(), &v4) == 1) return v4.s_addr == 0;
+  return inet_pton(AF_INET6, h.c_str(), &v6) == 1 && IN6_IS_ADDR_UNSPECIFIED(&v6);
 }
 
 absl::Status CheckListenAddress(absl::string_view flag, absl::string_view value) {

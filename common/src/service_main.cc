@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "absl/synchronization/mutex.h"
+#include "kvpool/common/host_port.h"
 
 namespace kvpool {
 namespace {
@@ -28,7 +29,7 @@ void WaitForTerminationSignal() {
 std::string AdvertiseAddress(const std::string& listen, const std::string& advertise, int bound_port) {
   if (!advertise.empty()) return advertise;
   std::string host = listen.substr(0, listen.rfind(':'));
-  if (host.empty() || host == "0.0.0.0" || host == "[::]" || host == "::") host = "127.0.0.1";
+  if (host.empty() || IsUnspecifiedHost(host)) host = "127.0.0.1";  // what dialing would refuse
   return host + ":" + std::to_string(bound_port);
 }
 

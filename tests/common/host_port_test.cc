@@ -1,5 +1,6 @@
 // HostPortProblem / CheckListenAddress: what --listen flags and registered addresses accept.
 #include "kvpool/common/host_port.h"
+#include "kvpool/common/service_main.h"
 
 #include <gtest/gtest.h>
 
@@ -37,6 +38,7 @@ TEST(HostPort, DialAddresses) {
       {"host-.example:1", "starts or ends with '-'"},
       {"0.0.0.0:50062", "unspecified"},  // a listening wildcard: dialing it reaches the dialer itself
       {"[::]:50062", "unspecified"},
+      {"[::0]:50062", "unspecified"},
   };
   for (const auto& [addr, why] : bad) {
     EXPECT_NE(HostPortProblem(addr, HostPortUse::kDial).find(why), std::string::npos)
@@ -56,6 +58,18 @@ TEST(HostPort, DialTargets) {
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << bad;
     EXPECT_NE(st.message().find("--router="), absl::string_view::npos) << st;
   }
+}
+
+// A wildcard listen address advertises loopback (with the bound port), whatever its
+// spelling: [::0] passed through before, and every Register with it was refused.
+TEST(HostPort, AdvertisedAddressIsNeverAWildcard) {
+  for (const char* listen : {"0.0.0.0:0", "[::]:0", "[::0]:0", "[0:0:0:0:0:0:0:0]:0"}) {
+    const std::string a = AdvertiseAddress(listen, "", 50061);
+    EXPECT_EQ(a, "127.0.0.1:50061") << listen;
+    EXPECT_EQ(HostPortProblem(a, HostPortUse::kDial), "") << listen;
+  }
+  EXPECT_EQ(AdvertiseAddress("10.0.0.5:0", "", 7), "10.0.0.5:7");
+  EXPECT_EQ(AdvertiseAddress("0.0.0.0:0", "pool-0.kvpool.svc:50061", 7), "pool-0.kvpool.svc:50061");
 }
 
 TEST(HostPort, ListenAddresses) {

@@ -25,6 +25,10 @@ enum class HostPortUse {
 // decimal port.
 std::string HostPortProblem(absl::string_view address, HostPortUse use);
 
+// Whether `host` (no port; brackets and a zone allowed) is a wildcard, 0.0.0.0 or any
+// spelling of [::]: it names no one machine to dial.
+bool IsUnspecifiedHost(absl::string_view host);
+
 // INVALID_ARGUMENT naming the flag (e.g. "--listen") and its value when `value` is not
 // a listen address (HostPortUse::kListen); OK otherwise.
 absl::Status CheckListenAddress(absl::string_view flag, absl::string_view value);
