@@ -179,9 +179,6 @@ class RouterHostTest : public ::testing::Test {
   std::unique_ptr<RouterHost> host_;
 };
 
-// A batch the old stream had queued when its source registered again belongs to the old
-// incarnation: applied to the new one it took sequence 1 from it, so the new stream's
-// real first event was skipped as a duplicate and the old block stayed in the view.
 // The registry outlives the host (as here): a scrape after the host went renders what is
 // left and does not call into it. Before, its hook stayed registered (ASan: use after free).
 TEST_F(RouterHostTest, AScrapeAfterTheHostWentDoesNotCallIntoIt) {
@@ -191,6 +188,9 @@ TEST_F(RouterHostTest, AScrapeAfterTheHostWentDoesNotCallIntoIt) {
   EXPECT_NE(metrics_.Render().find("kvpool_router_decisions_total"), std::string::npos);
 }
 
+// A batch the old stream had queued when its source registered again belongs to the old
+// incarnation: applied to the new one it took sequence 1 from it, so the new stream's
+// real first event was skipped as a duplicate and the old block stayed in the view.
 TEST_F(RouterHostTest, BatchQueuedBeforeTheSourceRegistersAgainIsDropped) {
   Make(256);
   Register("w0");
