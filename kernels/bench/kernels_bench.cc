@@ -562,9 +562,17 @@ int Main(int argc, char** argv) {
   const bool gpu = o.backend == Backend::kCuda;
   const double min_t = o.quick ? 0.08 : 0.25;
 
-  // Probe buffers: 2 x 256 MiB on CPU (8x this machine's L3), 2 x 2 GiB on GPU; kept
-  // for the whole run so the probe can be measured again before each kernel family.
-  const size_t probe_bytes = gpu ? (size_t{2} << 30) : (size_t{256} << 20);
+  // Targets count working sets >= 64 MiB and >= 2x the last-level cache (so no target
+  // point is served from cache; on cuda the GPU's L2).
+  const size_t llc = gpu ? be->cache_bytes() : LlcBytes();
+  const double target_min_bytes = std::max(64.0 * (1 << 20), 2.0 * llc);
+  // Probe buffers: 2 x 256 MiB on CPU, or 2x the LLC each where that is more (a VM of
+  // 2026-12-02 reported 260 MiB of L3), 2 x 2 GiB on GPU; kept for the whole run so the
+  // probe can be measured again before each kernel family.
+  const size_t probe_bytes =
+      gpu ? (size_t{2} << 30)
+          : std::max(size_t{256} << 20, (static_cast<size_t>(target_min_bytes) + (size_t{2} << 20) - 1) /
+                                            (size_t{2} << 20) * (size_t{2} << 20));
   Buf probe_a(be, probe_bytes, DType::kFp32, 5), probe_b(be, probe_bytes, DType::kFp32, 6);
   std::vector<std::pair<std::string, Probe>> probes;  // (family, probe)
   std::vector<size_t> probe_of;                       // per result: index into probes
@@ -572,8 +580,20 @@ int Main(int argc, char** argv) {
     probes.emplace_back(family, MeasureProbe(be, probe_a.p, probe_b.p, probe_bytes, gpu, min_t));
   };
   std::vector<Result> results;
-  // Each sweep keeps the working set between ~8 MB and ~1 GB (CPU) or ~4.5 GB (GPU).
-  const double max_bytes = gpu ? 4.5e9 : 1.1e9;
+  // Each sweep keeps the working set between ~8 MB and ~1 GB (CPU) or ~4.5 GB (GPU), or
+  // up to a point of target_min_bytes where the LLC is larger than that allows.
+  const double max_bytes = gpu ? 4.5e9 : std::max(1.1e9, 1.05 * target_min_bytes);
+  // The batch, doubled from `from`, whose point of `bytes_per_batch` bytes per unit of
+  // batch first reaches target_min_bytes within max_bytes; 0 when `from`'s already does
+  // (or none fits). A shape whose default sweep stays under 2x the LLC gets that one
+  // point more, so its target is measured at all.
+  auto batch_reaching_target = [&](int from, double bytes_per_batch) {
+    if (gpu || from * bytes_per_batch >= target_min_bytes) return 0;
+    for (int b = from * 2; b * bytes_per_batch <= max_bytes; b *= 2) {
+      if (b * bytes_per_batch >= target_min_bytes) return b;
+    }
+    return 0;
+  };
   const std::vector<int> batches = gpu ? std::vector<int>{8, 32, 128} : std::vector<int>{1, 8, 32};
   const std::vector<int> contexts = o.quick ? std::vector<int>{1024, 4096} : std::vector<int>{256, 1024, 4096, 16384};
   struct GqaShape { const char* name; int nq, nkv, d, page; };
@@ -596,6 +616,10 @@ int Main(int argc, char** argv) {
         results.push_back(BenchGqa(be, s.name, s.nq, s.nkv, s.d, s.page, b, ctx, min_t));
       }
     }
+    const int ctx = contexts.back();
+    if (int b = batch_reaching_target(batches.back(), 2.0 * ctx * s.nkv * s.d * 2); b > 0) {
+      results.push_back(BenchGqa(be, s.name, s.nq, s.nkv, s.d, s.page, b, ctx, min_t));
+    }
   }
   probe_of.resize(results.size(), probes.size() - 1);
   if (any_mla) probe_now("mla_decode");
@@ -608,15 +632,21 @@ int Main(int argc, char** argv) {
         results.push_back(BenchMla(be, name, heads, b, ctx, min_t));
       }
     }
+    const int ctx = contexts.back();
+    if (int b = batch_reaching_target(batches.back(), 1.0 * ctx * 576 * 2); b > 0) {
+      results.push_back(BenchMla(be, name, heads, b, ctx, min_t));
+    }
   }
   const std::vector<int> kda_batches = gpu ? std::vector<int>{1024, 8192, 32768} : std::vector<int>{256, 1024, 4096};
   probe_of.resize(results.size(), probes.size() - 1);
   if (wanted("kda_decode")) {
   probe_now("kda_decode");
-  for (int b : kda_batches) results.push_back(BenchKda(be, "tiny-hybrid", 2, 64, 64, b, min_t));
-  for (int b : gpu ? std::vector<int>{64, 512} : std::vector<int>{16, 128}) {
-    results.push_back(BenchKda(be, "kimi-k3-tp8", 12, 128, 128, b, min_t));
-  }
+  // Bytes per sequence: its state read and written (fp32 d_k x d_v per head).
+  std::vector<int> tiny_batches = kda_batches, kimi_batches = gpu ? std::vector<int>{64, 512} : std::vector<int>{16, 128};
+  if (int b = batch_reaching_target(tiny_batches.back(), 2.0 * 2 * 64 * 64 * 4); b > 0) tiny_batches.push_back(b);
+  if (int b = batch_reaching_target(kimi_batches.back(), 2.0 * 12 * 128 * 128 * 4); b > 0) kimi_batches.push_back(b);
+  for (int b : tiny_batches) results.push_back(BenchKda(be, "tiny-hybrid", 2, 64, 64, b, min_t));
+  for (int b : kimi_batches) results.push_back(BenchKda(be, "kimi-k3-tp8", 12, 128, 128, b, min_t));
   }
 
   probe_of.resize(results.size(), probes.size() - 1);
@@ -648,10 +678,7 @@ int Main(int argc, char** argv) {
                      paged, paged > 0 ? bw / paged : 0};
   };
 
-  // Targets: GQA at >= 4K context, MLA, KDA, over working sets >= 64 MiB and >= 2x the
-  // last-level cache (so no target point is served from cache; on cuda the GPU's L2).
-  const size_t llc = gpu ? be->cache_bytes() : LlcBytes();
-  const double target_min_bytes = std::max(64.0 * (1 << 20), 2.0 * llc);
+  // Targets: GQA at >= 4K context, MLA, KDA, over working sets >= target_min_bytes.
   struct Target { const char* kernel; int min_ctx; double cpu, gpu; };
   const Target targets[] = {{"gqa_decode", 4096, 0.60, 0.80}, {"mla_decode", 4096, 0.50, 0.75},
                             {"kda_decode", 0, 0.50, 0.50}};
