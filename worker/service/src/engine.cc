@@ -396,7 +396,8 @@ void Engine::Admit(std::unique_ptr<Pending> p) {
       p->prefill_tokens = TokensToCompute(chain, n);
     } else {
       const bool strict = cfg_.spec.IsHybrid() && cfg_.runner.hybrid_mode == cache::HybridHitMode::kStrict;
-      p->prefill_tokens = n - (strict ? local_ckpt : local) * b;  // cached since it arrived, maybe
+      // What is cached here now (more than on arrival if the prefix came meanwhile).
+      p->prefill_tokens = n - (strict ? local_ckpt : local) * b;
     }
   } else if (!p->chain.empty()) {
     p->prefill_tokens = TokensToCompute(p->chain, n);  // no pool: what is cached here now
