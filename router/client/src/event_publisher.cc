@@ -357,17 +357,26 @@ void EventPublisher::Loop() {
                      opts_.router_address, why.error_message());
         connected = false;
         const bool aborted = why.error_code() == grpc::StatusCode::ABORTED;
+        const bool refused = why.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED;
         if (aborted) {
           spdlog::warn("router {}: {} was registered again elsewhere; is another process using this id?",
                        opts_.router_address, opts_.registration.source_id());
         }
+        if (refused) {
+          spdlog::warn("router {}: it refused {}'s event stream (it has as many open as its --max-streams); "
+                       "registering again in {}",
+                       opts_.router_address, opts_.registration.source_id(),
+                       absl::FormatDuration(opts_.retry_interval));
+        }
         absl::MutexLock l(&mu_);
         streaming_ = false;  // no stream until the next Register: the dump that opens it covers these
         queue_.clear();
-        if (aborted) {
-          // Registered again since this stream began: by this publisher, or by another
-          // process with the same source id. Not at once: two such processes would
-          // otherwise take the registration from each other at every write.
+        if (aborted || refused) {
+          // Aborted: registered again since this stream began, by this publisher or by
+          // another process with the same source id; two such processes would otherwise
+          // take the registration from each other at every write. Refused: the router
+          // said to retry later; at once, every batch written would cost it another
+          // Register and full dump.
           mu_.AwaitWithTimeout(absl::Condition(&stop_), opts_.retry_interval);
           if (stop_) break;
         }

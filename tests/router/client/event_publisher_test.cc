@@ -52,6 +52,9 @@ class FakeRouter final : public v1::Router::Service {
       absl::MutexLock l(&mu);
       ++streams;
     }
+    if (refuse_streams) {  // a router at its --max-streams, as RouterHost::OpenStream answers
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "injected: too many event streams open");
+    }
     if (stop_reading) {  // a hung router: the client's writes fill the HTTP/2 window
       while (!release.WaitForNotificationWithTimeout(absl::Milliseconds(50))) {
         if (ctx->IsCancelled()) break;
@@ -82,6 +85,7 @@ class FakeRouter final : public v1::Router::Service {
   int fail_heartbeats ABSL_GUARDED_BY(mu) = 0;            // the next N heartbeats fail
   int request_dump_at_heartbeat ABSL_GUARDED_BY(mu) = 0;  // that heartbeat asks for a dump
   bool stop_reading = false;                              // set before the server starts
+  bool refuse_streams = false;                            // same
   absl::Notification release;                             // lets a stop_reading stream end
 };
 
@@ -201,6 +205,33 @@ TEST_F(EventPublisherTest, DumpRequestIsAnsweredOnTheOpenStream) {
   EXPECT_EQ(fake_.full_dumps, 2);
   EXPECT_EQ(fake_.events, 20);
   EXPECT_EQ(pub.dumps_sent(), 2u);
+}
+
+// A router at its --max-streams refuses the event stream (RESOURCE_EXHAUSTED) of a source
+// its Register accepted. The publisher sees it at a write, and registers again only after
+// retry_interval. Before, it registered again at once: every batch of events cost the
+// router a Register, a stream and a full dump (here up to one per batch: 3 to 9+ of
+// each in three runs of the old code).
+TEST_F(EventPublisherTest, RefusedStreamWaitsBeforeRegisteringAgain) {
+  fake_.refuse_streams = true;
+  StartServer();
+  EventPublisherOptions o = Options(10);
+  o.retry_interval = absl::Seconds(60);  // longer than the test: one Register at most
+  EventPublisher pub(std::move(o));
+  pub.Start();
+  ASSERT_TRUE(AwaitFake([](FakeRouter& f) ABSL_NO_THREAD_SAFETY_ANALYSIS { return f.streams >= 1; }));
+  for (int i = 0; i < 40; ++i) {  // a worker storing blocks: a batch every few ms
+    v1::KvEvent e;
+    e.mutable_stored()->add_block_hashes(std::string(16, static_cast<char>('a' + i % 26)));
+    e.mutable_stored()->set_kind(v1::STATE_KIND_ATTN_KV);
+    e.mutable_stored()->set_tier(v1::TIER_GPU);
+    pub.Publish(std::move(e));
+    absl::SleepFor(absl::Milliseconds(5));  // pacing only: each event its own write
+  }
+  absl::MutexLock l(&fake_.mu);
+  EXPECT_EQ(fake_.registers, 1);
+  EXPECT_EQ(fake_.streams, 1);
+  EXPECT_FALSE(pub.connected());
 }
 
 // Batches end at max_batch_bytes, so a dump and a burst of events larger than the

@@ -59,7 +59,9 @@ struct EventPublisherOptions {
   // The load sent with each heartbeat; optional (no load field when unset).
   std::function<v1::Load()> load;
   absl::Duration rpc_timeout = absl::Seconds(2);
-  absl::Duration retry_interval = absl::Seconds(1);  // between failed Register attempts
+  // Between failed Register attempts, and before registering again after the router
+  // refused the event stream (RESOURCE_EXHAUSTED: at its --max-streams) or aborted it.
+  absl::Duration retry_interval = absl::Seconds(1);
   // Heartbeat RPC errors in a row (DEADLINE_EXCEEDED, UNAVAILABLE, ...) before the
   // publisher gives up on the stream and registers again; fewer are retried.
   int max_heartbeat_failures = 3;
