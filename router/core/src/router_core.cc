@@ -189,6 +189,7 @@ absl::Status RouterCore::Register(const SourceInfo& info, absl::Time now) {
   Source& s = sources_[slot];
   s.live = true;
   s.registration = ++registrations_;
+  s.dump_asked = absl::InfinitePast();
   s.info = info;
   s.model = model;
   by_id_[info.id] = slot;
@@ -286,6 +287,7 @@ absl::StatusOr<EventsResult> RouterCore::ApplyPart(absl::string_view source_id, 
 EventsResult RouterCore::ApplyRange(SourceSlot slot, const EventBatch& batch, size_t begin, size_t end) {
   EventsResult r;
   if (batch.full_dump) {
+    if (begin == 0) sources_[slot].dump_asked = absl::InfinitePast();  // the dump asked for is landing
     r.apply = index_.ApplyDumpPart(slot, batch, begin, end);
   } else {
     r.apply = index_.ApplyInOrder(slot, std::span<const KvEvent>(batch.events).subspan(begin, end - begin));
@@ -306,7 +308,14 @@ HeartbeatResult RouterCore::Heartbeat(absl::string_view source_id, const Instanc
   }
   load_.Heartbeat(it->second, load, now);
   for (uint64_t id : completed) load_.Complete(id, it->second);
-  r.full_dump_requested = index_.stale(it->second);
+  // A stale source is asked for one dump per heartbeat_timeout, not at every heartbeat:
+  // one sent after the last ask may still be queued here (the applier behind), and each
+  // extra ask queued another whole dump behind it.
+  Source& s = sources_[it->second];
+  if (index_.stale(it->second) && now - s.dump_asked >= options_.heartbeat_timeout) {
+    r.full_dump_requested = true;
+    s.dump_asked = now;
+  }
   return r;
 }
 

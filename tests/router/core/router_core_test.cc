@@ -624,9 +624,48 @@ TEST_F(RouterCoreTest, GapInEventsRequestsDumpThroughHeartbeat) {
   EXPECT_EQ(Route(h).gpu_hit_blocks, 3u);
 }
 
+// A stale source is asked for a full dump by one heartbeat, and again only
+// heartbeat_timeout later while none has landed: the publisher writes the dump before its
+// next heartbeat, and the dump may wait behind other batches to be applied. Before, every
+// heartbeat in that wait asked again, and each ask queued another whole dump (a backlog
+// that fed itself). Once a dump's first part applied, the next gap is asked about at once.
+TEST_F(RouterCoreTest, StaleSourceIsAskedForOneDumpPerHeartbeatTimeout) {
+  RouterOptions o;
+  o.models = {"llama-3.3-70b"};
+  o.policy = PolicyKind::kCacheAware;
+  o.heartbeat_interval = absl::Seconds(1);
+  o.heartbeat_timeout = absl::Seconds(10);
+  Make(o);
+  Worker("w0");
+  const auto h = Hash(Tokens(16 * 3, 31));
+  EventBatch gap;
+  gap.events.push_back(KvEvent::Stored(2, {}, {h[0]}));
+  ASSERT_TRUE(core_->ApplyEvents("w0", gap, kT0).ok());
+  EXPECT_TRUE(core_->Heartbeat("w0", {}, {}, kT0).full_dump_requested);
+  for (int s = 1; s < 10; ++s) {
+    EXPECT_FALSE(core_->Heartbeat("w0", {}, {}, kT0 + absl::Seconds(s)).full_dump_requested) << "at +" << s << " s";
+  }
+  EXPECT_TRUE(core_->Stats(kT0 + absl::Seconds(9)).sources.at(0).stale);
+  // No dump within heartbeat_timeout (the answer may have been lost): asked again.
+  EXPECT_TRUE(core_->Heartbeat("w0", {}, {}, kT0 + absl::Seconds(10)).full_dump_requested);
+  EXPECT_FALSE(core_->Heartbeat("w0", {}, {}, kT0 + absl::Seconds(11)).full_dump_requested);
+
+  EventBatch dump;
+  dump.full_dump = true;
+  dump.dump_sequence = 2;
+  dump.events.push_back(KvEvent::Stored(1, {}, {h[0]}));
+  ASSERT_TRUE(core_->ApplyEvents("w0", dump, kT0 + absl::Seconds(12)).ok());
+  EXPECT_FALSE(core_->Heartbeat("w0", {}, {}, kT0 + absl::Seconds(12)).full_dump_requested);
+  EventBatch gap2;  // sequence 3 is missing
+  gap2.events.push_back(KvEvent::Stored(4, {}, {h[1]}));
+  ASSERT_TRUE(core_->ApplyEvents("w0", gap2, kT0 + absl::Seconds(13)).ok());
+  EXPECT_TRUE(core_->Heartbeat("w0", {}, {}, kT0 + absl::Seconds(13)).full_dump_requested);
+}
+
 // A broken event stream (RouterHost reports it) may have lost events with no later
 // sequence number to show the gap: the source's current registration turns stale, keeps
-// its entries, and its heartbeats ask for a dump until one lands. An older registration's
+// its entries, and its heartbeats ask for a dump (once per heartbeat_timeout) until one
+// lands. An older registration's
 // stream, an unknown source and an approximate-mode source change nothing.
 TEST_F(RouterCoreTest, LostStreamRequestsADumpOfTheCurrentRegistrationOnly) {
   MakeDefault(PolicyKind::kCacheAware);

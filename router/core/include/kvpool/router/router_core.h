@@ -257,6 +257,11 @@ class RouterCore {
     uint64_t registration = 0;  // Registration::id; 0 for a free slot
     SourceInfo info;
     int model = -1;  // index into models_, -1 for pool nodes
+    // When a heartbeat last asked this (stale) source for a full dump; InfinitePast once
+    // a dump's first part applied, and at Register. Heartbeats ask again only
+    // heartbeat_timeout later: the dump is on its way (the publisher writes it before
+    // its next heartbeat) and may wait behind other batches to be applied.
+    absl::Time dump_asked = absl::InfinitePast();
     // Approximate mode: each predicted block's stamp (expiry, then order of prediction:
     // a prediction's blocks are stamped tail first, so among equal expiries a chain's
     // tail goes before its head, leaf-first), and the stamps in the order they go.
