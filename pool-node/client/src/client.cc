@@ -701,6 +701,13 @@ void PoolClient::ReleaseAsync(uint64_t lease_id) {
   c->reader->Finish(&c->resp, &c->status, c);
 }
 
+int PoolClient::PendingReleases() {
+  ReapReleases();
+  return s_->releases_in_flight.load(std::memory_order_relaxed);
+}
+
+absl::Status PoolClient::transport_health() const { return s_->ep->health(); }
+
 absl::StatusOr<v1::PoolStats> PoolClient::GetStats() {
   v1::GetPoolStatsRequest req;
   v1::PoolStats resp;

@@ -2,6 +2,7 @@
 // UCX: lookups longer than one node call allows.
 #include "pool_tier.h"
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <chrono>
@@ -185,6 +186,78 @@ TEST(PoolTierTest, AnObjectThatFailedItsChecksumIsAMissAfterwards) {
   const std::vector<std::vector<uint64_t>> good_dst = {{4}, {6}};
   EXPECT_TRUE(p.tier->Get(again, good, good_dst).ok());
   p.tier->Release(again);
+}
+
+// Polls (bounded) until the node holds no lease; returns the last count seen. Only to
+// turn a lost release into a failure: nothing here is timed.
+uint64_t AwaitNoLeases(pool_node::NodeServer& node) {
+  uint64_t leases = 1;
+  for (int i = 0; i < 2000 && leases != 0; ++i) {
+    leases = node.core().Stats().active_leases;
+    if (leases != 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return leases;
+}
+
+// A node restarted at the same address: the worker's gRPC channel reaches the new process
+// at once, its transport endpoint still points at the old one, and never works again.
+// Either the tier sees the broken endpoint before the Lookup (and sends none), or the
+// Lookup leases objects on the new node, the Get through the stale endpoint fails and
+// marks the node down, and the Release still reaches the new node (its gRPC works).
+// Which one depends on when UCX notices the old worker is gone; both end with no lease
+// left. Before, the Lookup went out whatever the endpoint's state, and a node marked
+// down had no client to release with: the lease pinned the objects (unevictable, and
+// counted against this worker's pinned bytes) until it expired, 30 s later.
+// Over tcp: both nodes live in this process, where a shared-memory endpoint to the old
+// one could still read its (unmapped, maybe reused) arena address; tcp notices the old
+// worker is gone, as a restarted process would be on any transport.
+TEST(PoolTierTest, ANodeRestartedAtItsAddressKeepsNoLeaseOfThisWorker) {
+  ASSERT_EQ(setenv("UCX_TLS", "tcp", 1), 0);  // before any UCX context of this process
+  SmallPool p;
+  PoolTierOptions o;
+  o.retry_after = absl::Hours(1);  // the tier does not reconnect during the test
+  o.max_retry_after = absl::Hours(1);
+  ASSERT_NO_FATAL_FAILURE(StartSmallPool("pool-tier-restart", p, o));
+  const int port = p.node->port();
+  ASSERT_EQ(PutChain(*p.tier, 300, {kPage, kPage}).size(), 2u);  // connected, the endpoint used
+  p.node->Shutdown();
+  p.node.reset();
+  // The new process at the same address, given the same objects by another worker.
+  pool_node::NodeConfig c;
+  c.listen = absl::StrCat("127.0.0.1:", port);
+  c.metrics_port = -1;
+  c.pool.node_id = "pool-tier-restart-2";
+  c.pool.page_bytes = kPage;
+  c.pool.dram_bytes = 64 * kPage;
+  auto node2 = pool_node::NodeServer::Start(c);
+  ASSERT_TRUE(node2.ok()) << node2.status();
+  void* mem = nullptr;
+  ASSERT_EQ(posix_memalign(&mem, kPage, 8 * kPage), 0);
+  std::unique_ptr<std::byte, FreeDeleter> arena2(static_cast<std::byte*>(mem));
+  std::memset(arena2.get(), 0x3C, 8 * kPage);
+  PoolTierOptions o2;
+  o2.node_addresses = {c.listen};
+  o2.client_id = "pool-tier-restart-other";
+  auto other = PoolTier::Create(o2, {arena2.get(), 8 * kPage}, kPage);
+  ASSERT_TRUE(other.ok()) << other.status();
+  const std::vector<BlockHash> hashes = PutChain(**other, 300, {kPage, kPage});
+
+  PoolLookup found = p.tier->Lookup(hashes, StateKind::kAttnKv, kPage);
+  if (!found.leases.empty()) {  // the endpoint looked fine then: leased on the new node
+    ASSERT_TRUE(found.found[0].has_value());
+    EXPECT_EQ((*node2)->core().Stats().active_leases, 1u);
+    const std::vector<size_t> which = {0, 1};
+    const std::vector<std::vector<uint64_t>> dst = {{4}, {5}};
+    const absl::Status got = p.tier->Get(found, which, dst);
+    EXPECT_FALSE(got.ok()) << "a Get through the old process's endpoint succeeded";
+  } else {
+    EXPECT_FALSE(found.found[0].has_value());
+  }
+  std::printf("the Lookup %s\n", found.leases.empty() ? "was not sent (broken endpoint seen first)"
+                                                        : "leased on the new node; its Get failed");
+  EXPECT_EQ(p.tier->live_nodes(), 0u);  // marked down
+  p.tier->Release(found);
+  EXPECT_EQ(AwaitNoLeases(**node2), 0u) << "this worker's lease on the restarted node was not released";
 }
 
 // A node that stays down is retried after longer and longer waits (retry_after doubling

@@ -60,12 +60,25 @@ absl::StatusOr<std::unique_ptr<PoolTier>> PoolTier::Create(PoolTierOptions optio
 }
 
 PoolTier::~PoolTier() {
-  for (Node& n : nodes_) n.client.reset();  // before the worker and the arena
+  for (Node& n : nodes_) {  // before the worker and the arena
+    n.client.reset();
+    n.retired.reset();
+  }
+  reaping_.clear();
 }
 
 pool_node::PoolClient* PoolTier::Client(size_t node) {
   Node& n = nodes_[node];
-  if (n.client) return n.client.get();
+  if (n.client) {
+    // A broken endpoint never carries a byte again (the node process or its UCX worker is
+    // gone; gRPC may reach a process restarted at the address). Without this, every
+    // Lookup took leases and every Put a reservation (evicting for it) that the transfer
+    // then failed.
+    const absl::Status health = n.client->transport_health();
+    if (health.ok()) return n.client.get();
+    MarkDown(node, health);
+    return nullptr;
+  }
   if (MonotonicNow() < n.down_until) return nullptr;
   pool_node::PoolClientOptions o;
   o.node_address = n.address;
@@ -115,9 +128,45 @@ void PoolTier::MarkDown(size_t node, const absl::Status& why) {
                  n.address, std::string(why.message()), absl::FormatDuration(wait),
                  absl::FormatDuration(std::max(opts_.retry_after, opts_.max_retry_after)));
   }
-  n.client.reset();
+  if (n.client) {
+    if (n.retired && n.retired->PendingReleases() > 0) reaping_.push_back(std::move(n.retired));
+    n.retired = std::move(n.client);
+  }
+  std::erase_if(reaping_, [](const std::unique_ptr<pool_node::PoolClient>& c) { return c->PendingReleases() == 0; });
   n.last_error = std::string(why.message());
   n.down_until = MonotonicNow() + wait;
+}
+
+pool_node::PoolClient* PoolTier::ReleaseClient(size_t node) {
+  Node& n = nodes_[node];
+  return n.client ? n.client.get() : n.retired.get();
+}
+
+void PoolTier::ForgetNode(PoolLookup& out, size_t node) {
+  std::vector<size_t> new_index(out.leases.size(), SIZE_MAX);
+  size_t kept = 0;
+  for (size_t i = 0; i < out.leases.size(); ++i) {
+    if (out.lease_nodes[i] == node) {
+      if (pool_node::PoolClient* c = ReleaseClient(node)) c->ReleaseAsync(out.leases[i].lease_id);
+      continue;
+    }
+    new_index[i] = kept;
+    if (kept != i) {
+      out.leases[kept] = std::move(out.leases[i]);
+      out.lease_nodes[kept] = out.lease_nodes[i];
+    }
+    ++kept;
+  }
+  out.leases.resize(kept);
+  out.lease_nodes.resize(kept);
+  for (std::optional<PoolFound>& f : out.found) {
+    if (!f) continue;
+    if (f->node == node) {
+      f.reset();
+    } else if (f->lease < new_index.size()) {
+      f->lease = new_index[f->lease];
+    }
+  }
 }
 
 bool PoolTier::Quarantined(size_t node, const pool_node::ObjectKey& key) {
@@ -157,6 +206,7 @@ PoolLookup PoolTier::Lookup(std::span<const BlockHash> hashes, StateKind kind, u
       if (!lease.ok()) {
         if (IsNodeFailure(lease.status())) {
           MarkDown(node, lease.status());
+          ForgetNode(out, node);  // what its earlier calls found
           break;
         }
         ++rpc_failures_;
@@ -248,10 +298,11 @@ absl::Status PoolTier::Get(const PoolLookup& lookup, std::span<const size_t> whi
 
 void PoolTier::Release(PoolLookup& lookup) {
   for (size_t i = 0; i < lookup.leases.size(); ++i) {
-    // Off the engine thread; leases also expire. A node marked down since has no client
-    // to send it: its lease runs out on its own.
-    Node& n = nodes_[lookup.lease_nodes[i]];
-    if (n.client != nullptr) n.client->ReleaseAsync(lookup.leases[i].lease_id);
+    // Off the engine thread; leases also expire. A node marked down since is sent it by
+    // its retired client: a transport failure leaves gRPC working (a node restarted at
+    // the same address has a new transport worker), and an unreleased lease pins its
+    // objects and counts against this worker's pinned bytes there until it expires.
+    if (pool_node::PoolClient* c = ReleaseClient(lookup.lease_nodes[i])) c->ReleaseAsync(lookup.leases[i].lease_id);
   }
   lookup.leases.clear();
   lookup.lease_nodes.clear();

@@ -121,6 +121,10 @@ class PoolTier {
   struct Node {
     std::string address;
     std::unique_ptr<pool_node::PoolClient> client;
+    // The client MarkDown took away, kept to release the leases taken through it: a node
+    // marked down for a transport failure (a Get that timed out, or a node restarted at
+    // the same address) may still answer gRPC. Replaced at the next MarkDown.
+    std::unique_ptr<pool_node::PoolClient> retired;
     absl::Time down_until = absl::InfinitePast();
     absl::Duration next_retry = absl::ZeroDuration();  // the next failure's wait (0: retry_after)
     std::string last_error;
@@ -130,6 +134,11 @@ class PoolTier {
   PoolTier() = default;
   pool_node::PoolClient* Client(size_t node);  // connects lazily; null while down
   void MarkDown(size_t node, const absl::Status& why);
+  // Whatever client can still send `node` a Release: its current one, else the retired.
+  pool_node::PoolClient* ReleaseClient(size_t node);
+  // Drops what `out` found on `node` and releases its leases there (a node failing in the
+  // middle of a Lookup: the Get of its objects would fail, and with it the other nodes').
+  void ForgetNode(PoolLookup& out, size_t node);
   bool Quarantined(size_t node, const pool_node::ObjectKey& key);
 
   PoolTierOptions opts_;
@@ -138,6 +147,9 @@ class PoolTier {
   std::unique_ptr<transport::Worker> worker_;
   std::shared_ptr<transport::Arena> arena_;
   std::vector<Node> nodes_;
+  // Retired clients replaced while releases were still in flight: destroyed once those
+  // are answered (their destructor would wait for them on the engine thread).
+  std::vector<std::unique_ptr<pool_node::PoolClient>> reaping_;
   std::atomic<uint64_t> rpc_failures_{0};
   std::atomic<uint64_t> mismatched_objects_{0};
   // (node, object) -> until when it is a miss; at most kMaxQuarantined entries.

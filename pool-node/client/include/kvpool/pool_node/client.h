@@ -171,6 +171,13 @@ class PoolClient {
   // The request leaves before this returns; answers are collected by later calls, and
   // the client waits for outstanding ones when destroyed.
   void ReleaseAsync(uint64_t lease_id);
+  // ReleaseAsync calls not answered yet (answered ones are collected first). The
+  // destructor waits for these (each at most rpc_timeout_ms).
+  int PendingReleases();
+  // The transport endpoint to the node: OK while usable, else the error that broke it
+  // (the node process died, or its UCX worker is gone). gRPC may still reach a node
+  // restarted at the same address; this endpoint never will again.
+  absl::Status transport_health() const;
   absl::StatusOr<v1::PoolStats> GetStats();
   PutPhases put_phases() const;
 
