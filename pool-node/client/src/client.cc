@@ -323,6 +323,7 @@ absl::StatusOr<PoolLease> PoolClient::Lookup(std::span<const BlockHash> chain, S
 absl::Status PoolClient::Get(const PoolLease& lease, std::span<const std::vector<uint64_t>> dst,
                              std::vector<size_t>* mismatched) {
   if (mismatched != nullptr) mismatched->clear();
+  if (s_->ep == nullptr) return transport_health();  // closed (CloseTransport)
   if (dst.size() != lease.objects.size()) {
     return absl::InvalidArgumentError(absl::StrCat("dst names ", dst.size(), " page lists for ",
                                                    lease.objects.size(), " objects; give one per object"));
@@ -384,6 +385,7 @@ absl::Status PoolClient::Get(const PoolLease& lease, std::span<const std::vector
 }
 
 absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutItem> items) {
+  if (s_->ep == nullptr) return transport_health();  // closed (CloseTransport): reserve nothing
   s_->put_calls.fetch_add(1, std::memory_order_relaxed);
   const PhaseTimer total_timer(s_->put_total_ns);
   // Pieces of about put_pipeline_bytes, the unit of transfer and Commit; groups of
@@ -706,7 +708,12 @@ int PoolClient::PendingReleases() {
   return s_->releases_in_flight.load(std::memory_order_relaxed);
 }
 
-absl::Status PoolClient::transport_health() const { return s_->ep->health(); }
+absl::Status PoolClient::transport_health() const {
+  if (s_->ep == nullptr) return absl::FailedPreconditionError("the transport to this node was closed (CloseTransport)");
+  return s_->ep->health();
+}
+
+void PoolClient::CloseTransport() { s_->ep.reset(); }
 
 absl::StatusOr<v1::PoolStats> PoolClient::GetStats() {
   v1::GetPoolStatsRequest req;

@@ -363,8 +363,8 @@ void EventPublisher::Loop() {
                        opts_.router_address, opts_.registration.source_id());
         }
         if (refused) {
-          spdlog::warn("router {}: it refused {}'s event stream (it has as many open as its --max-streams); "
-                       "registering again in {}",
+          spdlog::warn("router {}: it refused {}'s event stream with RESOURCE_EXHAUSTED (as many streams open as "
+                       "its --max-streams, or a batch over its --max-message-bytes); registering again in {}",
                        opts_.router_address, opts_.registration.source_id(),
                        absl::FormatDuration(opts_.retry_interval));
         }

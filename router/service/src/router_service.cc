@@ -34,8 +34,9 @@ constexpr int kMinClientPingIntervalMs = 5'000;
 // registered again after it began finishes with ABORTED at its next batch. A stream that
 // ends any other way (cancelled, cut, or finished here with an error) may have lost
 // events its client already wrote, with no later sequence number to show it: its source
-// is marked stale at the end (RouterHost::StreamLost), so its next heartbeat asks for a
-// full dump.
+// is marked stale at the end (RouterHost::StreamLost), so a heartbeat asks for a full
+// dump: its next one, or, where the source was stale already and asked, one within the
+// heartbeat timeout (RouterCore::Heartbeat asks once per timeout).
 class EventsReactor : public grpc::ServerReadReactor<v1::EventBatch> {
  public:
   EventsReactor(RouterHost* host, v1::PublishEventsResponse* response) : host_(host), response_(response) {

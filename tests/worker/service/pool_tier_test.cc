@@ -2,6 +2,8 @@
 // UCX: lookups longer than one node call allows.
 #include "pool_tier.h"
 
+#include <sys/shm.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -212,7 +214,9 @@ uint64_t AwaitNoLeases(pool_node::NodeServer& node) {
 // one could still read its (unmapped, maybe reused) arena address; tcp notices the old
 // worker is gone, as a restarted process would be on any transport.
 TEST(PoolTierTest, ANodeRestartedAtItsAddressKeepsNoLeaseOfThisWorker) {
-  ASSERT_EQ(setenv("UCX_TLS", "tcp", 1), 0);  // before any UCX context of this process
+  // Before any UCX context of this test (ctest runs each test in its own process; the
+  // variable stays set for the tests after it in a whole-binary run, which pass over tcp).
+  ASSERT_EQ(setenv("UCX_TLS", "tcp", 1), 0);
   SmallPool p;
   PoolTierOptions o;
   o.retry_after = absl::Hours(1);  // the tier does not reconnect during the test
@@ -258,6 +262,56 @@ TEST(PoolTierTest, ANodeRestartedAtItsAddressKeepsNoLeaseOfThisWorker) {
   EXPECT_EQ(p.tier->live_nodes(), 0u);  // marked down
   p.tier->Release(found);
   EXPECT_EQ(AwaitNoLeases(**node2), 0u) << "this worker's lease on the restarted node was not released";
+}
+
+// The SysV segment id of the shared mapping holding `addr` in this process (from
+// /proc/self/maps: a SysV mapping's inode is its shmid); -1 when none.
+int ShmIdAt(const void* addr) {
+  std::FILE* f = std::fopen("/proc/self/maps", "r");
+  if (f == nullptr) return -1;
+  const auto a = reinterpret_cast<uintptr_t>(addr);
+  char line[512];
+  int id = -1;
+  while (id < 0 && std::fgets(line, sizeof line, f) != nullptr) {
+    unsigned long lo = 0, hi = 0, inode = 0;
+    char name[256] = "";
+    if (std::sscanf(line, "%lx-%lx %*s %*s %*s %lu %255s", &lo, &hi, &inode, name) == 4 && a >= lo && a < hi &&
+        std::strncmp(name, "/SYSV", 5) == 0) {
+      id = static_cast<int>(inode);
+    }
+  }
+  std::fclose(f);
+  return id;
+}
+
+// A same-host node that died: the tier marks it down (its gRPC is gone) and keeps the old
+// client only to send Releases, with its transport closed, so this process no longer
+// maps the dead node's arena (a shared-memory segment the size of its DRAM tier) and the
+// segment goes. Kept open, the retired client held it mapped until the node's next
+// MarkDown, next to the restarted node's own arena.
+TEST(PoolTierTest, ANodeMarkedDownIsNoLongerMappedHere) {
+  SmallPool p;
+  PoolTierOptions o;
+  o.retry_after = absl::Hours(1);
+  o.max_retry_after = absl::Hours(1);
+  ASSERT_NO_FATAL_FAILURE(StartSmallPool("pool-tier-unmap", p, o));
+  const std::vector<BlockHash> hashes = PutChain(*p.tier, 400, {kPage, kPage});  // maps the arena here
+  const int shmid = ShmIdAt(p.node->core().arena_base());
+  if (shmid < 0) GTEST_SKIP() << "the node's arena is not a SysV segment here (UCX_TLS without shared memory)";
+  p.node->Shutdown();
+  p.node.reset();
+  shmid_ds ds{};
+  ASSERT_EQ(shmctl(shmid, IPC_STAT, &ds), 0) << "the segment went with the node: this client never mapped it";
+  EXPECT_EQ(ds.shm_nattch, 1u);  // this tier's client
+  PoolLookup l = p.tier->Lookup(hashes, StateKind::kAttnKv, kPage);  // the node is gone: marked down
+  EXPECT_FALSE(l.found[0].has_value());
+  EXPECT_EQ(p.tier->live_nodes(), 0u);
+  bool gone = false;  // the endpoint closes on the transport's thread: bounded wait, not timed
+  for (int i = 0; i < 2000 && !gone; ++i) {
+    gone = shmctl(shmid, IPC_STAT, &ds) != 0;
+    if (!gone) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_TRUE(gone) << "the dead node's arena is still mapped here (" << ds.shm_nattch << " attached)";
 }
 
 // A node that stays down is retried after longer and longer waits (retry_after doubling

@@ -130,6 +130,10 @@ void PoolTier::MarkDown(size_t node, const absl::Status& why) {
   }
   if (n.client) {
     if (n.retired && n.retired->PendingReleases() > 0) reaping_.push_back(std::move(n.retired));
+    // Kept for its gRPC channel only: an open endpoint would keep a same-host node's
+    // arena (a shared-memory segment the size of its DRAM tier) mapped here after that
+    // node died, next to its restarted process's.
+    n.client->CloseTransport();
     n.retired = std::move(n.client);
   }
   std::erase_if(reaping_, [](const std::unique_ptr<pool_node::PoolClient>& c) { return c->PendingReleases() == 0; });
@@ -195,7 +199,10 @@ PoolLookup PoolTier::Lookup(std::span<const BlockHash> hashes, StateKind kind, u
     const std::vector<size_t>& all = by_node[node];
     for (size_t begin = 0; begin < all.size(); begin += pool_node::PoolClient::kMaxLookupHashes) {
       pool_node::PoolClient* c = Client(node);
-      if (c == nullptr) break;
+      if (c == nullptr) {  // down, or marked down since the last call (its endpoint broke)
+        ForgetNode(out, node);
+        break;
+      }
       const size_t end = std::min(all.size(), begin + pool_node::PoolClient::kMaxLookupHashes);
       std::vector<BlockHash> mine;
       mine.reserve(end - begin);

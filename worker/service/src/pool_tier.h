@@ -121,9 +121,10 @@ class PoolTier {
   struct Node {
     std::string address;
     std::unique_ptr<pool_node::PoolClient> client;
-    // The client MarkDown took away, kept to release the leases taken through it: a node
-    // marked down for a transport failure (a Get that timed out, or a node restarted at
-    // the same address) may still answer gRPC. Replaced at the next MarkDown.
+    // The client MarkDown took away, its transport closed, kept to release the leases
+    // taken through it: a node marked down for a transport failure (a Get that timed
+    // out, or a node restarted at the same address) may still answer gRPC. Replaced at
+    // the next MarkDown.
     std::unique_ptr<pool_node::PoolClient> retired;
     absl::Time down_until = absl::InfinitePast();
     absl::Duration next_retry = absl::ZeroDuration();  // the next failure's wait (0: retry_after)

@@ -178,6 +178,10 @@ class PoolClient {
   // (the node process died, or its UCX worker is gone). gRPC may still reach a node
   // restarted at the same address; this endpoint never will again.
   absl::Status transport_health() const;
+  // Closes the transport endpoint (and with it the node's imported arena: a same-host
+  // node's shared-memory segment is unmapped here) and keeps the gRPC channel, for a
+  // client kept only to send Releases. Get and Put fail with FAILED_PRECONDITION after.
+  void CloseTransport();
   absl::StatusOr<v1::PoolStats> GetStats();
   PutPhases put_phases() const;
 
