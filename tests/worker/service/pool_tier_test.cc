@@ -4,11 +4,15 @@
 
 #include <sys/shm.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <chrono>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -17,6 +21,9 @@
 #include "gtest/gtest.h"
 #include "kvpool/common/hash.h"
 #include "kvpool/pool_node/node_server.h"
+#include "kvpool/transport/transport.h"
+#include "kvpool/v1/pool.grpc.pb.h"
+#include <grpcpp/grpcpp.h>
 
 namespace kvpool::worker {
 namespace {
@@ -190,6 +197,30 @@ TEST(PoolTierTest, AnObjectThatFailedItsChecksumIsAMissAfterwards) {
   p.tier->Release(again);
 }
 
+// Sets an environment variable for one test and puts back its old value at the end.
+// Declared before the test's UCX objects (so it outlives them): UCX reads UCX_* when a
+// context is created.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (old_) {
+      setenv(name_, old_->c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
 // Polls (bounded) until the node holds no lease; returns the last count seen. Only to
 // turn a lost release into a failure: nothing here is timed.
 uint64_t AwaitNoLeases(pool_node::NodeServer& node) {
@@ -214,9 +245,7 @@ uint64_t AwaitNoLeases(pool_node::NodeServer& node) {
 // one could still read its (unmapped, maybe reused) arena address; tcp notices the old
 // worker is gone, as a restarted process would be on any transport.
 TEST(PoolTierTest, ANodeRestartedAtItsAddressKeepsNoLeaseOfThisWorker) {
-  // Before any UCX context of this test (ctest runs each test in its own process; the
-  // variable stays set for the tests after it in a whole-binary run, which pass over tcp).
-  ASSERT_EQ(setenv("UCX_TLS", "tcp", 1), 0);
+  const ScopedEnv tcp("UCX_TLS", "tcp");  // before any UCX context of this test
   SmallPool p;
   PoolTierOptions o;
   o.retry_after = absl::Hours(1);  // the tier does not reconnect during the test
@@ -317,32 +346,118 @@ TEST(PoolTierTest, ANodeMarkedDownIsNoLongerMappedHere) {
 // A node that stays down is retried after longer and longer waits (retry_after doubling
 // up to max_retry_after): each retry reconnects on the engine thread and may wait out an
 // RPC timeout there. Before, it was retried every retry_after for good.
-TEST(PoolTierTest, ANodeThatStaysDownIsRetriedLessAndLessOften) {
+// A tier over a 4-page arena whose one node, at `address`, is skipped 20 ms after a
+// failure, doubling up to 320 ms: it looks one hash up every ~2 ms for 2 s, calling
+// `before` ahead of each Lookup. Returns the tier's RPC failures; *lookups: Lookups made.
+uint64_t LookUpFor2s(const std::string& address, const std::string& client_id,
+                     const std::function<void()>& before, int* lookups) {
   void* mem = nullptr;
-  ASSERT_EQ(posix_memalign(&mem, kPage, 4 * kPage), 0);
+  EXPECT_EQ(posix_memalign(&mem, kPage, 4 * kPage), 0);
   std::unique_ptr<std::byte, FreeDeleter> arena(static_cast<std::byte*>(mem));
   PoolTierOptions o;
-  o.node_addresses = {"127.0.0.1:1"};  // nothing listens there: refused at once
-  o.client_id = "pool-tier-backoff";
+  o.node_addresses = {address};
+  o.client_id = client_id;
   o.rpc_timeout_ms = 500;
   o.retry_after = absl::Milliseconds(20);
   o.max_retry_after = absl::Milliseconds(320);
   auto tier = PoolTier::Create(o, {arena.get(), 4 * kPage}, kPage);
-  ASSERT_TRUE(tier.ok()) << tier.status();
+  EXPECT_TRUE(tier.ok()) << tier.status();
+  if (!tier.ok()) return 0;
   const std::vector<BlockHash> hashes = {Hash(1)};
   const absl::Time end = absl::Now() + absl::Seconds(2);
-  int lookups = 0;
+  *lookups = 0;
   while (absl::Now() < end) {
+    before();
     PoolLookup l = (*tier)->Lookup(hashes, StateKind::kAttnKv, kPage);
     EXPECT_FALSE(l.found[0].has_value());
-    ++lookups;
+    (*tier)->Release(l);
+    ++*lookups;
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
+  return (*tier)->rpc_failures();  // the tier goes before its arena
+}
+
+TEST(PoolTierTest, ANodeThatStaysDownIsRetriedLessAndLessOften) {
+  int lookups = 0;
+  // Nothing listens at port 1: refused at once.
+  const uint64_t attempts = LookUpFor2s("127.0.0.1:1", "pool-tier-backoff", [] {}, &lookups);
   // Waits of 20, 40, 80, 160, then 320 ms: at most ~10 attempts in 2 s however fast
   // the machine (each one is a refused connect); a fixed 20 ms wait allowed ~90.
-  const uint64_t attempts = (*tier)->rpc_failures();
   EXPECT_GE(attempts, 1u);
   EXPECT_LE(attempts, 12u) << lookups << " lookups";
+}
+
+// A node whose gRPC answers but whose transport fails soon after every Connect (as one
+// whose UCX port a firewall drops, or that advertises an interface workers cannot
+// reach): each Connect gets a fresh UCX worker of this fake, which the test destroys
+// (DropWorkers). Lookups find nothing.
+class FlakyDataPlaneNode final : public v1::PoolNode::Service {
+ public:
+  explicit FlakyDataPlaneNode(std::shared_ptr<transport::Context> ucx) : ucx_(std::move(ucx)) {}
+  grpc::Status Connect(grpc::ServerContext*, const v1::ConnectRequest*, v1::ConnectResponse* resp) override {
+    auto w = transport::Worker::Create(ucx_);
+    if (!w.ok()) return grpc::Status(grpc::StatusCode::INTERNAL, std::string(w.status().message()));
+    auto a = (*w)->AllocateArena(16 * kPage, kPage);
+    if (!a.ok()) return grpc::Status(grpc::StatusCode::INTERNAL, std::string(a.status().message()));
+    resp->set_node_id("flaky-data-plane");
+    resp->set_ucx_worker_address((*w)->address());
+    resp->set_arena_descriptor((*a)->descriptor().Serialize());
+    std::lock_guard<std::mutex> l(mu_);
+    arenas_.push_back(*std::move(a));
+    workers_.push_back(*std::move(w));
+    ++connects_;
+    return grpc::Status::OK;
+  }
+  grpc::Status Lookup(grpc::ServerContext*, const v1::LookupRequest*, v1::LookupResponse*) override {
+    return grpc::Status::OK;
+  }
+  void DropWorkers() {
+    std::lock_guard<std::mutex> l(mu_);
+    arenas_.clear();
+    workers_.clear();
+  }
+  int connects() {
+    std::lock_guard<std::mutex> l(mu_);
+    return connects_;
+  }
+
+ private:
+  std::shared_ptr<transport::Context> ucx_;
+  std::mutex mu_;
+  std::vector<std::shared_ptr<transport::Arena>> arenas_;
+  std::vector<std::unique_ptr<transport::Worker>> workers_;
+  int connects_ = 0;
+};
+
+// Such a node connects every time and fails each time its transport does. The waits
+// between its Connects grow (retry_after doubling up to max_retry_after) as for a node
+// that refuses gRPC: only a Get or Put that worked resets them. Before, every Connect that
+// succeeded reset the wait, so the node was dialled every retry_after for good, each
+// time a Connect RPC on the engine thread (and on a network that drops packets, a
+// transfer waiting out its timeout).
+TEST(PoolTierTest, ANodeWhoseTransportKeepsFailingIsRetriedLessAndLessOften) {
+  const ScopedEnv tcp("UCX_TLS", "tcp");  // tcp endpoints watch their peer
+  auto ucx = transport::Context::Create();
+  ASSERT_TRUE(ucx.ok()) << ucx.status();
+  FlakyDataPlaneNode fake(*ucx);
+  int port = 0;
+  grpc::ServerBuilder b;
+  b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  b.RegisterService(&fake);
+  std::unique_ptr<grpc::Server> server = b.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  int lookups = 0;
+  // Before each Lookup, whatever endpoint the tier holds starts failing.
+  const uint64_t failures = LookUpFor2s(absl::StrCat("127.0.0.1:", port), "pool-tier-flaky-data-plane",
+                                        [&fake] { fake.DropWorkers(); }, &lookups);
+  const int connects = fake.connects();
+  std::printf("%d connects, %llu failures, %d lookups in 2 s\n", connects, static_cast<unsigned long long>(failures),
+              lookups);
+  // Waits of 20, 40, 80, 160, then 320 ms: ~10 connects in 2 s however fast the endpoint
+  // fails; a wait reset at every Connect gave one per 20 ms plus the time to notice.
+  EXPECT_GE(connects, 2) << "no endpoint failed: the test shows nothing";
+  EXPECT_LE(connects, 12);
+  server->Shutdown();
 }
 
 }  // namespace

@@ -110,16 +110,18 @@ pool_node::PoolClient* PoolTier::Client(size_t node) {
                FormatBytes((*c)->node_page_bytes()));
   n.client = *std::move(c);
   n.last_error.clear();
-  n.next_retry = absl::ZeroDuration();
+  // next_retry stays: a Connect proves gRPC, not the transport (a node whose UCX address
+  // workers cannot reach connects every time); a transfer that works resets it.
   return n.client.get();
 }
 
 void PoolTier::MarkDown(size_t node, const absl::Status& why) {
   Node& n = nodes_[node];
   ++rpc_failures_;
-  // A connected node that fails waits retry_after; one that fails again before it
-  // connects waits twice as long each time, up to max_retry_after.
-  if (n.client || n.next_retry <= absl::ZeroDuration()) n.next_retry = opts_.retry_after;
+  // A node that fails after a transfer to it worked waits retry_after; one that fails
+  // again before one works (refusing Connect, or connecting and failing) waits twice as
+  // long each time, up to max_retry_after.
+  if (n.next_retry <= absl::ZeroDuration()) n.next_retry = opts_.retry_after;
   const absl::Duration wait = std::min(n.next_retry, std::max(opts_.retry_after, opts_.max_retry_after));
   n.next_retry = std::min(wait * 2, std::max(opts_.retry_after, opts_.max_retry_after));
   if (n.client || n.last_error.empty()) {
@@ -299,6 +301,7 @@ absl::Status PoolTier::Get(const PoolLookup& lookup, std::span<const size_t> whi
       }
       return s;
     }
+    nodes_[node].next_retry = absl::ZeroDuration();  // its transport works
   }
   return absl::OkStatus();
 }
@@ -350,6 +353,7 @@ uint64_t PoolTier::Put(std::span<const PoolPut> items) {
     for (size_t i = 0; i < r->size(); ++i) {
       if ((*r)[i].ok()) written += groups[g][i].length;
     }
+    nodes_[node].next_retry = absl::ZeroDuration();  // its transport works
   }
   return written;
 }

@@ -43,7 +43,8 @@ struct PoolTierOptions {
   std::string client_id;                    // the worker's instance id
   int rpc_timeout_ms = 2000;
   // A failed node is skipped this long, doubling with each failure in a row up to
-  // max_retry_after (a connected call resets it): reconnecting runs on the engine thread
+  // max_retry_after (a Get or Put that worked resets it; a Connect does not, since it
+  // proves gRPC, not the transport): reconnecting runs on the engine thread
   // and may wait rpc_timeout_ms on a node that hangs, so a node that stays down must not
   // stall the engine every 2 s.
   absl::Duration retry_after = absl::Seconds(2);
