@@ -340,12 +340,16 @@ TEST_F(ServiceTest, PutLookupGetThroughDramAndNvmeIsByteExact) {
     items.push_back(PutItem{H(i), parent, StateKind::kAttnKv, pages, lengths[i]});
     parent = H(i);
   }
-  auto put = client_->Put(items);
+  uint64_t moved = 0, total = 0;
+  for (uint64_t l : lengths) total += l;
+  auto put = client_->Put(items, &moved);
   ASSERT_TRUE(put.ok()) << put.status();
   for (const auto& s : *put) EXPECT_TRUE(s.ok()) << s;
-  // Putting again: already present, nothing moves.
-  auto again = client_->Put(items);
+  EXPECT_EQ(moved, total);
+  // Putting again: already present, nothing moves (what PoolTier's back-off relies on).
+  auto again = client_->Put(items, &moved);
   ASSERT_TRUE(again.ok());
+  EXPECT_EQ(moved, 0u);
 
   std::vector<BlockHash> chain;
   for (int i = 0; i < kBlocks; ++i) chain.push_back(H(i));

@@ -384,7 +384,8 @@ absl::Status PoolClient::Get(const PoolLease& lease, std::span<const std::vector
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutItem> items) {
+absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutItem> items, uint64_t* moved) {
+  if (moved != nullptr) *moved = 0;
   if (s_->ep == nullptr) return transport_health();  // closed (CloseTransport): reserve nothing
   s_->put_calls.fetch_add(1, std::memory_order_relaxed);
   const PhaseTimer total_timer(s_->put_total_ns);
@@ -482,6 +483,7 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
     std::unique_ptr<Digests> digests;  // fed by the transfer's ByteCopier / ByteObserver
     std::vector<size_t> op_item;       // item index per transfer op
     std::future<absl::Status> done;    // valid while a transfer is in flight
+    uint64_t bytes = 0;                // moved by it once done is OK
   };
   std::vector<PieceTransfer> tx(pieces.size());
   std::vector<absl::Status> refused(items.size());  // per item: the Reserve's answer for it, when not OK
@@ -546,6 +548,7 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
       op.remote.bytes = it.length;
       ops.push_back(std::move(op));
       tx[k].op_item.push_back(first + j);
+      tx[k].bytes += it.length;
     }
     // The checksums are taken in the same pass as the copy (ChecksumStream::CopyUpdate).
     // On a failed transfer the reservation is ended by an empty Commit (see Put's end).
@@ -564,6 +567,7 @@ absl::StatusOr<std::vector<absl::Status>> PoolClient::Put(std::span<const PutIte
     if (tx[k].done.valid()) {
       const PhaseTimer t(s_->put_transfer_ns);
       RETURN_IF_ERROR(tx[k].done.get());
+      if (moved != nullptr) *moved += tx[k].bytes;
     }
     const PhaseTimer t(s_->put_rpc_send_ns);
     const size_t first = pieces[k].first, n = pieces[k].second - first;

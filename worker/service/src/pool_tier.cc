@@ -118,10 +118,15 @@ pool_node::PoolClient* PoolTier::Client(size_t node) {
 void PoolTier::MarkDown(size_t node, const absl::Status& why) {
   Node& n = nodes_[node];
   ++rpc_failures_;
-  // A node that fails after a transfer to it worked waits retry_after; one that fails
-  // again before one works (refusing Connect, or connecting and failing) waits twice as
-  // long each time, up to max_retry_after.
-  if (n.next_retry <= absl::ZeroDuration()) n.next_retry = opts_.retry_after;
+  // A node that fails after a transfer to it worked, or long after its last failure,
+  // waits retry_after; one that fails again before one works (refusing Connect, or
+  // connecting and failing) waits twice as long each time, up to max_retry_after.
+  const absl::Time now = MonotonicNow();
+  if (n.next_retry <= absl::ZeroDuration() ||
+      now - n.last_failure > 2 * std::max(opts_.retry_after, opts_.max_retry_after)) {
+    n.next_retry = opts_.retry_after;
+  }
+  n.last_failure = now;
   const absl::Duration wait = std::min(n.next_retry, std::max(opts_.retry_after, opts_.max_retry_after));
   n.next_retry = std::min(wait * 2, std::max(opts_.retry_after, opts_.max_retry_after));
   if (n.client || n.last_error.empty()) {
@@ -140,7 +145,7 @@ void PoolTier::MarkDown(size_t node, const absl::Status& why) {
   }
   std::erase_if(reaping_, [](const std::unique_ptr<pool_node::PoolClient>& c) { return c->PendingReleases() == 0; });
   n.last_error = std::string(why.message());
-  n.down_until = MonotonicNow() + wait;
+  n.down_until = now + wait;
 }
 
 pool_node::PoolClient* PoolTier::ReleaseClient(size_t node) {
@@ -339,7 +344,8 @@ uint64_t PoolTier::Put(std::span<const PoolPut> items) {
     const size_t node = g / 2;
     pool_node::PoolClient* c = Client(node);
     if (c == nullptr) continue;
-    absl::StatusOr<std::vector<absl::Status>> r = c->Put(groups[g]);
+    uint64_t moved = 0;
+    absl::StatusOr<std::vector<absl::Status>> r = c->Put(groups[g], &moved);
     if (!r.ok()) {
       if (IsNodeFailure(r.status())) {
         MarkDown(node, r.status());
@@ -353,7 +359,7 @@ uint64_t PoolTier::Put(std::span<const PoolPut> items) {
     for (size_t i = 0; i < r->size(); ++i) {
       if ((*r)[i].ok()) written += groups[g][i].length;
     }
-    nodes_[node].next_retry = absl::ZeroDuration();  // its transport works
+    if (moved > 0) nodes_[node].next_retry = absl::ZeroDuration();  // its transport works
   }
   return written;
 }

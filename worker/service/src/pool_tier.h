@@ -43,8 +43,9 @@ struct PoolTierOptions {
   std::string client_id;                    // the worker's instance id
   int rpc_timeout_ms = 2000;
   // A failed node is skipped this long, doubling with each failure in a row up to
-  // max_retry_after (a Get or Put that worked resets it; a Connect does not, since it
-  // proves gRPC, not the transport): reconnecting runs on the engine thread
+  // max_retry_after (a Get or Put that moved bytes ends the row, as does a failure more
+  // than twice max_retry_after after the last; a Connect does not, since it proves gRPC,
+  // not the transport): reconnecting runs on the engine thread
   // and may wait rpc_timeout_ms on a node that hangs, so a node that stays down must not
   // stall the engine every 2 s.
   absl::Duration retry_after = absl::Seconds(2);
@@ -129,6 +130,7 @@ class PoolTier {
     std::unique_ptr<pool_node::PoolClient> retired;
     absl::Time down_until = absl::InfinitePast();
     absl::Duration next_retry = absl::ZeroDuration();  // the next failure's wait (0: retry_after)
+    absl::Time last_failure = absl::InfinitePast();     // of MarkDown, on MonotonicNow()
     std::string last_error;
     std::string alias_of;  // another entry's address that reached the same node process
     bool warned_length = false;  // logged an object of another length than ours

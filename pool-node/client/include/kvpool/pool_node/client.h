@@ -34,7 +34,8 @@
 //
 // Local and node page sizes may differ (the transport scatters/gathers on both sides).
 //
-// Thread safety: all methods are thread-safe (gRPC stubs and transport endpoints are).
+// Thread safety: all methods are thread-safe (gRPC stubs and transport endpoints are),
+// except CloseTransport, which no Get or Put may run beside.
 #pragma once
 
 #include <chrono>
@@ -165,7 +166,9 @@ class PoolClient {
                    std::vector<size_t>* mismatched = nullptr);
   // Stores objects: one status per item (OK: stored or already present; DATA_LOSS: the
   // node saw other bytes than the checksum says). RESOURCE_EXHAUSTED etc. for the call.
-  absl::StatusOr<std::vector<absl::Status>> Put(std::span<const PutItem> items);
+  // *moved (if given) is set to the bytes this call transferred (0 when every item was
+  // present or refused: the transport was not used).
+  absl::StatusOr<std::vector<absl::Status>> Put(std::span<const PutItem> items, uint64_t* moved = nullptr);
   absl::Status Release(uint64_t lease_id);
   // Release without waiting for the answer (errors are dropped: leases expire anyway).
   // The request leaves before this returns; answers are collected by later calls, and
@@ -177,10 +180,13 @@ class PoolClient {
   // The transport endpoint to the node: OK while usable, else the error that broke it
   // (the node process died, or its UCX worker is gone). gRPC may still reach a node
   // restarted at the same address; this endpoint never will again.
+  // After CloseTransport: FAILED_PRECONDITION.
   absl::Status transport_health() const;
   // Closes the transport endpoint (and with it the node's imported arena: a same-host
-  // node's shared-memory segment is unmapped here) and keeps the gRPC channel, for a
-  // client kept only to send Releases. Get and Put fail with FAILED_PRECONDITION after.
+  // node's shared-memory segment mapped through it is unmapped soon after, on the
+  // transport's thread) and keeps the gRPC channel, for a client kept only to send
+  // Releases. Get and Put fail with FAILED_PRECONDITION after. Not while a Get or Put
+  // runs.
   void CloseTransport();
   absl::StatusOr<v1::PoolStats> GetStats();
   PutPhases put_phases() const;
