@@ -389,6 +389,14 @@ TEST(PoolTierTest, ANodeThatStaysDownIsRetriedLessAndLessOften) {
   EXPECT_LE(attempts, 12u) << lookups << " lookups";
 }
 
+// Serves a fake node's service on a loopback port of its own (*port).
+std::unique_ptr<grpc::Server> ServeOnLoopback(grpc::Service* service, int* port) {
+  grpc::ServerBuilder b;
+  b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), port);
+  b.RegisterService(service);
+  return b.BuildAndStart();
+}
+
 // A node whose gRPC answers but whose transport fails soon after every Connect (as one
 // whose UCX port a firewall drops, or that advertises an interface workers cannot
 // reach): each Connect gets a fresh UCX worker of this fake, which the test destroys
@@ -443,10 +451,7 @@ TEST(PoolTierTest, ANodeWhoseTransportKeepsFailingIsRetriedLessAndLessOften) {
   ASSERT_TRUE(ucx.ok()) << ucx.status();
   FlakyDataPlaneNode fake(*ucx);
   int port = 0;
-  grpc::ServerBuilder b;
-  b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  b.RegisterService(&fake);
-  std::unique_ptr<grpc::Server> server = b.BuildAndStart();
+  std::unique_ptr<grpc::Server> server = ServeOnLoopback(&fake, &port);
   ASSERT_NE(server, nullptr);
   int lookups = 0;
   // Before each Lookup, whatever endpoint the tier holds starts failing.
@@ -459,6 +464,91 @@ TEST(PoolTierTest, ANodeWhoseTransportKeepsFailingIsRetriedLessAndLessOften) {
   // fails; a wait reset at every Connect gave one per 20 ms plus the time to notice.
   EXPECT_GE(connects, 2) << "no endpoint failed: the test shows nothing";
   EXPECT_LE(connects, 12);
+  server->Shutdown();
+}
+
+// A node that answers the first Lookup call of a long prompt (every hash found, under
+// lease 77) and fails the second with UNAVAILABLE, as a node dying between the two
+// would. Its transport is a live UCX worker of this fake; Releases are recorded.
+class FailsSecondLookupNode final : public v1::PoolNode::Service {
+ public:
+  explicit FailsSecondLookupNode(std::shared_ptr<transport::Context> ucx) {
+    auto w = transport::Worker::Create(std::move(ucx));
+    EXPECT_TRUE(w.ok()) << w.status();
+    worker_ = *std::move(w);
+    auto a = worker_->AllocateArena(16 * kPage, kPage);
+    EXPECT_TRUE(a.ok()) << a.status();
+    arena_ = *std::move(a);
+  }
+  grpc::Status Connect(grpc::ServerContext*, const v1::ConnectRequest*, v1::ConnectResponse* resp) override {
+    resp->set_node_id("fails-second-lookup");
+    resp->set_ucx_worker_address(worker_->address());
+    resp->set_arena_descriptor(arena_->descriptor().Serialize());
+    return grpc::Status::OK;
+  }
+  grpc::Status Lookup(grpc::ServerContext*, const v1::LookupRequest* req, v1::LookupResponse* resp) override {
+    if (lookups.fetch_add(1) > 0) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "injected: node went away");
+    for (const std::string& h : req->block_hashes()) {
+      v1::ObjectDescriptor* d = resp->add_objects();
+      d->set_block_hash(h);
+      d->mutable_run()->add_pages(0);
+      d->mutable_run()->set_length(req->object_length());
+    }
+    resp->set_prefix_blocks(static_cast<uint32_t>(req->block_hashes_size()));
+    resp->set_lease_id(77);
+    resp->set_lease_ttl_ms(30'000);
+    return grpc::Status::OK;
+  }
+  grpc::Status Release(grpc::ServerContext*, const v1::ReleaseRequest* req, v1::ReleaseResponse*) override {
+    if (req->lease_id() == 77) released.fetch_add(1);
+    return grpc::Status::OK;
+  }
+  std::atomic<int> lookups{0}, released{0};
+
+ private:
+  std::unique_ptr<transport::Worker> worker_;
+  std::shared_ptr<transport::Arena> arena_;
+};
+
+// A node that fails partway through the Lookup calls of one prompt (more hashes than one
+// call may name) leaves nothing of its earlier calls in the answer: their objects are
+// misses and their lease is released (through the client kept for that, its gRPC
+// working). Before, the first call's objects stayed found, and the Get of the whole
+// prefix then failed on the node marked down ("went away"), the other nodes' blocks
+// with it.
+TEST(PoolTierTest, ANodeFailingPartwayThroughALookupLeavesNothingOfItsEarlierCalls) {
+  auto ucx = transport::Context::Create();
+  ASSERT_TRUE(ucx.ok()) << ucx.status();
+  FailsSecondLookupNode fake(*ucx);
+  int port = 0;
+  std::unique_ptr<grpc::Server> server = ServeOnLoopback(&fake, &port);
+  ASSERT_NE(server, nullptr);
+  {
+    void* mem = nullptr;
+    ASSERT_EQ(posix_memalign(&mem, kPage, 4 * kPage), 0);
+    std::unique_ptr<std::byte, FreeDeleter> arena(static_cast<std::byte*>(mem));
+    PoolTierOptions o;
+    o.node_addresses = {absl::StrCat("127.0.0.1:", port)};
+    o.client_id = "pool-tier-partway";
+    o.retry_after = absl::Hours(1);
+    o.max_retry_after = absl::Hours(1);
+    auto tier = PoolTier::Create(o, {arena.get(), 4 * kPage}, kPage);
+    ASSERT_TRUE(tier.ok()) << tier.status();
+    std::vector<BlockHash> hashes;
+    for (size_t i = 0; i < pool_node::PoolClient::kMaxLookupHashes + 10; ++i) hashes.push_back(Hash(5000 + i));
+    PoolLookup l = (*tier)->Lookup(hashes, StateKind::kAttnKv, kPage);
+    EXPECT_EQ(fake.lookups.load(), 2);
+    size_t found = 0;
+    for (const auto& f : l.found) found += f.has_value();
+    EXPECT_EQ(found, 0u) << "objects of the node's first call stayed found after its second failed";
+    EXPECT_TRUE(l.leases.empty());
+    EXPECT_EQ((*tier)->live_nodes(), 0u);
+    (*tier)->Release(l);  // nothing left to release
+    for (int i = 0; i < 2000 && fake.released.load() == 0; ++i) {  // bounded, not timed
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    EXPECT_EQ(fake.released.load(), 1) << "the first call's lease was not released exactly once";
+  }
   server->Shutdown();
 }
 
