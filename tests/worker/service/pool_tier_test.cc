@@ -1,5 +1,8 @@
 // PoolTier (the worker's side of the pool nodes) against a real kvpool-node over gRPC and
-// UCX: lookups longer than one node call allows.
+// UCX: lookups longer than one node call allows, objects of another length, checksum
+// quarantine, a node restarted at its address, and, against fake PoolNode services
+// (loopback gRPC, real UCX workers) that inject faults, back-off and a node failing
+// partway through a lookup.
 #include "pool_tier.h"
 
 #include <sys/shm.h>
