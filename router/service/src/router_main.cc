@@ -68,7 +68,7 @@ int RunRouterMain(int argc, char** argv) {
                  "largest request accepted, e.g. 128MiB: an event batch (sources send <= 4 MiB) or a Route; "
                  "memory held by event streams stays below --max-streams x this")
       ->capture_default_str();
-  app.add_option("--flops", flops, "achieved prefill FLOP/s of a worker for the cost model, e.g. 400e12 (default) or 2e9 for CPU tiny-* workers");
+  app.add_option("--flops", flops, "achieved prefill FLOP/s of a worker for the cost model, e.g. 400e12 (default) or 1e10 for CPU tiny-* workers (as deploy/local/cluster.sh gives)");
   app.add_option("--pool-dram-bandwidth", dram_bw, "pool DRAM fetch bandwidth for the cost model, e.g. 25GB/s (default)");
   app.add_option("--pool-nvme-bandwidth", nvme_bw, "pool NVMe fetch bandwidth for the cost model, e.g. 7GB/s (default)");
   kvpool::RequireDecimalIntegers(app);
