@@ -1,6 +1,8 @@
 // The contiguous baseline, and the paged policy against it behind one interface.
 #include <cstdint>
+#include <limits>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -118,6 +120,11 @@ TEST(ContiguousTest, ConfigErrors) {
   EXPECT_THAT(std::string(ContiguousCacheManager::Create(c).status().message()),
               ::testing::HasSubstr("max_model_len"));
   c.max_model_len = 1000;
+  EXPECT_THAT(std::string(ContiguousCacheManager::Create(c).status().message()),
+              ::testing::HasSubstr("raise num_blocks"));
+  // A huge max_model_len ("no limit") is refused by its size; rounding it up to whole
+  // blocks used to overflow into a reservation of 1 block that requests then outgrew.
+  c.max_model_len = std::numeric_limits<int64_t>::max();
   EXPECT_THAT(std::string(ContiguousCacheManager::Create(c).status().message()),
               ::testing::HasSubstr("raise num_blocks"));
   c.max_model_len = 64;

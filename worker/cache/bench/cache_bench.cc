@@ -219,8 +219,9 @@ int RunUtilization(const Flags& flags, FILE* out) {
   }
   int64_t max_output = 0, max_total = 0;
   for (const TraceRequest& r : *trace) {
-    max_output = std::max(max_output, r.output_length);
-    max_total = std::max(max_total, r.input_length + r.output_length);
+    // The simulator produces at least one token per request (as a server does).
+    max_output = std::max(max_output, std::max<int64_t>(1, r.output_length));
+    max_total = std::max(max_total, r.input_length + std::max<int64_t>(1, r.output_length));
   }
   std::fprintf(out, "\nContiguous vs paged KV on %zu requests of %s\n", trace->size(),
                path.c_str());

@@ -30,7 +30,13 @@ absl::StatusOr<std::vector<TraceRequest>> LoadTrace(const std::string& path) {
           path, ":", n, ": expected a JSON object with integer input_length and "
           "output_length (Mooncake trace format)"));
     }
-    out.push_back({j["input_length"].get<int64_t>(), j["output_length"].get<int64_t>()});
+    const int64_t input = j["input_length"].get<int64_t>(), output = j["output_length"].get<int64_t>();
+    if (input < 1 || output < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ":", n, ": ", input < 1 ? "input_length=" : "output_length=", input < 1 ? input : output,
+          input < 1 ? " must be >= 1 (a request has a prompt)" : " must be >= 0"));
+    }
+    out.push_back({input, output});
   }
   if (out.empty()) return absl::InvalidArgumentError(absl::StrCat(path, " has no requests"));
   return out;
@@ -44,6 +50,20 @@ absl::StatusOr<SimResult> SimulateUtilization(const std::vector<TraceRequest>& t
   config.enable_prefix_caching = false;  // utilization of private KV only
   config.max_model_len = o.max_model_len;
   ASSIGN_OR_RETURN(std::unique_ptr<CacheManager> m, CreateCacheManager(o.policy, config));
+  auto prompt_of = [&](size_t i) {
+    return o.prompt_tokens > 0 ? o.prompt_tokens : trace[i].input_length;
+  };
+  // A request runs only with its prompt below max_model_len (one token of output); with
+  // none such, admission would skip the trace's requests forever.
+  if (o.max_model_len > 0) {
+    bool any_fits = false;
+    for (size_t i = 0; i < trace.size() && !any_fits; ++i) any_fits = prompt_of(i) < o.max_model_len;
+    if (!any_fits) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "max_model_len=", o.max_model_len, " leaves no room for any request of the trace (",
+          o.prompt_tokens > 0 ? "prompt_tokens" : "every input_length", " is >= it); raise max_model_len"));
+    }
+  }
   const bool paged = o.policy == "paged";
   // vLLM's admission watermark: keep 1% of the blocks for running requests to grow into.
   const int64_t watermark = paged ? (o.num_blocks + 99) / 100 : 0;
@@ -62,9 +82,6 @@ absl::StatusOr<SimResult> SimulateUtilization(const std::vector<TraceRequest>& t
   double sum_live = 0, sum_reserved = 0, sum_batch = 0;
   int64_t measured = 0;
 
-  auto prompt_of = [&](size_t i) {
-    return o.prompt_tokens > 0 ? o.prompt_tokens : trace[i].input_length;
-  };
   auto preempt_youngest = [&]() {
     const Running victim = running.back();
     running.pop_back();

@@ -8,6 +8,16 @@
 #include "kvpool/common/status.h"
 
 namespace kvpool::cache {
+namespace {
+
+// Blocks reserved per request: max_model_len tokens rounded up to whole blocks, without
+// the (max_model_len + block_tokens - 1) that overflows for a huge max_model_len.
+int64_t ReserveBlocks(const CacheConfig& c) {
+  const int64_t bt = c.layout.block_tokens;
+  return c.max_model_len / bt + (c.max_model_len % bt != 0 ? 1 : 0);
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<ContiguousCacheManager>> ContiguousCacheManager::Create(
     CacheConfig config) {
@@ -22,8 +32,7 @@ absl::StatusOr<std::unique_ptr<ContiguousCacheManager>> ContiguousCacheManager::
         "the contiguous policy models paged attention only; use policy 'paged' for hybrid "
         "(KDA) layouts");
   }
-  const int64_t reserve =
-      (config.max_model_len + config.layout.block_tokens - 1) / config.layout.block_tokens;
+  const int64_t reserve = ReserveBlocks(config);
   if (reserve > config.num_blocks - 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "max_model_len=", config.max_model_len, " needs ", reserve, " blocks per request but "
@@ -35,8 +44,7 @@ absl::StatusOr<std::unique_ptr<ContiguousCacheManager>> ContiguousCacheManager::
 ContiguousCacheManager::ContiguousCacheManager(CacheConfig config)
     : config_(std::move(config)),
       block_tokens_(config_.layout.block_tokens),
-      reserve_blocks_(static_cast<int32_t>((config_.max_model_len + block_tokens_ - 1) /
-                                           block_tokens_)),
+      reserve_blocks_(static_cast<int32_t>(ReserveBlocks(config_))),
       free_blocks_(config_.num_blocks - 1) {
   free_ranges_.emplace(1, config_.num_blocks - 1);  // block 0 stays the null block
 }
