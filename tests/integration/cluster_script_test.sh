@@ -105,7 +105,7 @@ check_interrupted_start() {
   done
   [[ -s "$RUN_DIR/router.pid" ]] || fail "the router was not started: $(cat "$RUN_DIR/interrupted.out")"
   for f in "$RUN_DIR"/*.pid; do pids+=("$(cat "$f")"); done
-  kill -TERM "$script_pid"
+  kill -TERM "$script_pid" 2>/dev/null || fail "the start had ended before it could be interrupted: $(cat "$RUN_DIR/interrupted.out")"
   wait "$script_pid" && fail "an interrupted start exited 0"
   grep -q "interrupted; stopping" "$RUN_DIR/interrupted.out" || fail "no interruption message: $(cat "$RUN_DIR/interrupted.out")"
   for p in "${pids[@]}"; do
