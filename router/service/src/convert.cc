@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -80,6 +81,10 @@ absl::StatusOr<SourceInfo> SourceFromProto(const v1::RegisterRequest& req) {
       s.block_tokens = req.model().block_tokens();
       break;
     case v1::SOURCE_KIND_POOL_NODE:
+      if (req.has_model()) {  // refused, not dropped: the caller meant something by it
+        return Invalid("model", "set for a pool node, which holds blocks of every model; leave it unset "
+                                "(it names a worker's model)");
+      }
       s.kind = SourceKind::kPoolNode;
       s.publishes_events = true;  // a pool node is only useful through its events
       break;
@@ -201,6 +206,16 @@ absl::StatusOr<RouteInput> RouteFromProto(const v1::RouteRequest& req, const Rou
       return Invalid("block_hashes", absl::StrCat(req.block_hashes_size(), " entries; at most ", kMaxRouteHashes));
     }
     ASSIGN_OR_RETURN(in.hashes, HashesFromProto(req.block_hashes(), "block_hashes"));
+    // A chain holds each block once (chained hashes cannot repeat); a repeat would link
+    // the worker's predicted blocks into a cycle.
+    absl::flat_hash_set<BlockHash> seen;
+    seen.reserve(in.hashes.size());
+    for (size_t j = 0; j < in.hashes.size(); ++j) {
+      if (!seen.insert(in.hashes[j]).second) {
+        return Invalid(absl::StrCat("block_hashes[", j, "]"),
+                       "repeats an earlier entry; a prompt's chained block hashes are all distinct");
+      }
+    }
     in.prompt_tokens = req.prompt_tokens();
   }
   return in;

@@ -549,6 +549,11 @@ TEST_F(RouterServiceTest, BadInputGetsClearErrorsAndOthersAreStillServed) {
   expect(client_->Route(counted).status(), absl::StatusCode::kInvalidArgument, "prompt_tokens");
   counted.set_prompt_tokens(32);  // the same count: fine
   EXPECT_TRUE(client_->Route(counted).ok());
+  // A chain repeating a block would link the worker's predicted blocks into a cycle.
+  v1::RouteRequest repeated_hash;
+  repeated_hash.mutable_model()->set_name("tiny-gqa");
+  for (const char c : {'a', 'b', 'a'}) repeated_hash.add_block_hashes(std::string(16, c));
+  expect(client_->Route(repeated_hash).status(), absl::StatusCode::kInvalidArgument, "block_hashes[2]: repeats");
   v1::RouteRequest no_worker = TokensRequest(Tokens(64, 3), "tiny-mla");
   expect(client_->Route(no_worker).status(), absl::StatusCode::kUnavailable, "tiny-mla");
 
@@ -566,6 +571,16 @@ TEST_F(RouterServiceTest, BadInputGetsClearErrorsAndOthersAreStillServed) {
   future_tier.mutable_events(0)->mutable_stored()->set_tier(static_cast<v1::Tier>(9));
   expect(client_->PublishEvents({future_tier}).status(), absl::StatusCode::kInvalidArgument,
          "events[0].stored.tier: 9, which is not a Tier");
+  // Workers publish their GPU pool; a DRAM copy of a worker would be routed as a pool
+  // hit no worker can fetch.
+  v1::EventBatch worker_dram = Stored("w0", 1, hashes, 2);
+  worker_dram.mutable_events(0)->mutable_stored()->set_tier(v1::TIER_DRAM);
+  expect(client_->PublishEvents({worker_dram}).status(), absl::StatusCode::kInvalidArgument,
+         "events[0].stored.tier=dram from worker \"w0\"; workers publish TIER_GPU");
+  v1::EventBatch repeated = Stored("w0", 1, hashes, 2);  // blocks 0, 1, 0: a cycle
+  repeated.mutable_events(0)->mutable_stored()->add_block_hashes(hashes[0].ToBytes());
+  expect(client_->PublishEvents({repeated}).status(), absl::StatusCode::kInvalidArgument,
+         "events[0].stored.block_hashes[2] repeats an earlier entry");
   v1::EventBatch stray_dump_sequence = Stored("w0", 1, hashes, 2);  // not a full dump
   stray_dump_sequence.set_dump_sequence(1000);
   expect(client_->PublishEvents({stray_dump_sequence}).status(), absl::StatusCode::kInvalidArgument,
@@ -593,6 +608,10 @@ TEST_F(RouterServiceTest, BadInputGetsClearErrorsAndOthersAreStillServed) {
            absl::StrCat("address: '", a, "'"));
   }
   bad_reg.set_address("[::1]:7000");
+  v1::RegisterRequest pool_with_model = bad_reg;  // a model names a worker's; refused, not dropped
+  pool_with_model.set_kind(v1::SOURCE_KIND_POOL_NODE);
+  expect(client_->Register(pool_with_model).status(), absl::StatusCode::kInvalidArgument,
+         "model: set for a pool node");
   bad_reg.mutable_model()->set_block_tokens(32);
   expect(client_->Register(bad_reg).status(), absl::StatusCode::kInvalidArgument, "model.block_tokens=32");
   v1::HeartbeatRequest hb;
