@@ -238,7 +238,8 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
     if (!seen.insert(e.hash).second) {
       return absl::InvalidArgumentError(absl::StrCat("entries[", i, "].block_hash ",
                                                      e.hash.ToHex(),
-                                                     " appears twice; reserve each block once"));
+                                                     " appears twice; reserve each block once (one Reserve per "
+                                                     "state kind: a Commit names its entries by hash alone)"));
     }
   }
   Impl& im = *impl_;
@@ -279,6 +280,7 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
       if (Object* o = im.Find(k)) im.Unpin(*o);
     }
   };
+  std::vector<ObjectKey> touched;  // present entries: most recently used once granted
   for (const auto& e : entries) {
     ReservedEntry re;
     re.spec = e;
@@ -288,7 +290,7 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
       re.refused = OtherLengthError(e, o->length);
     } else if (o != nullptr) {
       re.already_present = true;
-      im.Touch(*o);
+      touched.push_back(o->key);  // touched once the Reserve is granted (a refused one changes nothing)
       im.Pin(*o);
       pinned.push_back(o->key);
       if (e.kind == StateKind::kLinearState) im.PinKvPrefix(e.hash, pinned, kv_seen);
@@ -350,6 +352,9 @@ absl::StatusOr<Reservation> PoolCore::Reserve(std::span<const ReserveEntrySpec> 
     }
   }
   im.DropVictims(plan);  // DRAM copies: their pages are freed (no journal)
+  for (const ObjectKey& k : touched) {
+    if (Object* o = im.Find(k)) im.Touch(*o);  // pinned above: still present
+  }
   Reservation out;
   out.id = im.NewId();
   out.expires_unix_ms = rs.expires_ms;

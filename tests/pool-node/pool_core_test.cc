@@ -444,6 +444,42 @@ TEST_F(PoolCoreTest, EvictsLeavesFirstThenLeastRecentlyUsed) {
   EXPECT_EQ(core->Stats().tiers[0].evictions, 4u);
 }
 
+// A refused Reserve changes nothing, not even the eviction order: an entry it named as
+// already present was made most recently used before the room check refused the call,
+// so it outlived colder objects.
+TEST_F(PoolCoreTest, RefusedReserveLeavesTheEvictionOrderAlone) {
+  auto core = Make(4);
+  ASSERT_TRUE(Put(*core, H(0), std::nullopt, Pattern(0, kPage)).ok());  // least recently used
+  ASSERT_TRUE(Put(*core, H(1), std::nullopt, Pattern(1, kPage)).ok());
+  std::vector<ReserveEntrySpec> refused = {{H(0), std::nullopt, StateKind::kAttnKv, kPage},
+                                           {H(50), std::nullopt, StateKind::kAttnKv, 4 * kPage}};
+  // The whole arena: it fits an empty node, but not beside H(0), which the call holds.
+  auto r = core->Reserve(refused);
+  ASSERT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  // One page more than is free: one eviction, of the least recently used of H(0), H(1).
+  const auto st = core->Stats();
+  ReserveEntrySpec e{H(60), std::nullopt, StateKind::kAttnKv, st.tiers[0].capacity_bytes - st.tiers[0].used_bytes + kPage};
+  r = core->Reserve({&e, 1});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(core->Inspect({H(0), StateKind::kAttnKv}).has_value()) << "the refused Reserve made H(0) recent";
+  EXPECT_TRUE(core->Inspect({H(1), StateKind::kAttnKv}).has_value());
+  // A granted Reserve does touch what it finds present.
+  ASSERT_TRUE(core->Commit(r->id, {}).ok());
+  ASSERT_TRUE(Put(*core, H(2), std::nullopt, Pattern(2, kPage)).ok());  // LRU: H(1), H(2)
+  ReserveEntrySpec present{H(1), std::nullopt, StateKind::kAttnKv, kPage};
+  r = core->Reserve({&present, 1});
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE(core->Commit(r->id, {}).ok());  // LRU: H(2), H(1)
+  const auto st2 = core->Stats();
+  e.hash = H(61);
+  e.length = st2.tiers[0].capacity_bytes - st2.tiers[0].used_bytes + kPage;
+  r = core->Reserve({&e, 1});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(core->Inspect({H(2), StateKind::kAttnKv}).has_value());
+  EXPECT_TRUE(core->Inspect({H(1), StateKind::kAttnKv}).has_value());
+  ASSERT_TRUE(core->Commit(r->id, {}).ok());
+}
+
 // A leased leaf keeps its whole chain: its unleased parents can never become leaves,
 // so they are no room. A Reserve that needs them fails before evicting anything (the
 // count of unleased pages, an upper bound, once let it evict the unrelated object and
