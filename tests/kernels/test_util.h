@@ -35,13 +35,17 @@ inline float RoundTo(DType dtype, float x) {
 }
 
 // A paged cache of `num_heads` heads x `dim` per token ("rows"), with one page set
-// per sequence from a shuffled pool and `extra_pages` never referenced. Everything
-// not holding a token (unused pages, the tail of each last page) is NaN.
+// per sequence from a shuffled pool and `extra_pages` no sequence uses. Everything
+// not holding a token (unused pages, the tail of each last page) is NaN, and the table
+// entries past each sequence's last block name an unused page (the contract lets them
+// hold anything): a kernel that reads past seq_len, even at a page boundary or with
+// 1-token pages, reads NaN (with -1 there a backend that skips bad pages read zeros, and
+// the CPU read before the buffer).
 struct PagedStore {
   DType dtype;
   int page_size, row_elems;  // elements per token slot
   int num_pages, max_blocks;
-  std::vector<int32_t> table;      // [batch][max_blocks], -1 past the used blocks
+  std::vector<int32_t> table;      // [batch][max_blocks]; past the used blocks an unused page (-1 without one)
   std::vector<int32_t> seq_lens;
   std::vector<uint8_t> bytes;      // the pages
   std::vector<std::vector<float>> tokens;  // per sequence: [len][row_elems] as stored
@@ -63,7 +67,7 @@ struct PagedStore {
     bytes.resize(static_cast<size_t>(num_pages) * page * row * esz);
     const float nan = std::numeric_limits<float>::quiet_NaN();
     for (size_t i = 0; i < bytes.size() / esz; ++i) StoreFromFloat(bytes.data(), dt, i, nan);
-    table.assign(lens.size() * max_blocks, -1);
+    table.assign(lens.size() * max_blocks, extra_pages > 0 ? perm[used] : -1);
     int next = 0;
     for (size_t b = 0; b < lens.size(); ++b) {
       const int len = lens[b];
