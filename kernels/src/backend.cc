@@ -36,6 +36,14 @@ absl::Status CheckScale(float scale, absl::string_view arg) {
   return absl::OkStatus();
 }
 
+// A softmax scale: 0 takes the default 1/sqrt(head_dim); a negative one would weight the
+// least similar keys most, which no attention layer does.
+absl::Status CheckSoftmaxScale(float scale) {
+  RETURN_IF_ERROR(CheckScale(scale, "scale"));
+  if (scale < 0.f) return Invalid("scale", absl::StrCat("=", scale, " must be >= 0 (0: 1/sqrt(head_dim))"));
+  return absl::OkStatus();
+}
+
 // Shapes and (on host) contents of a block table over pages of `page_size`.
 absl::Status CheckTable(const BlockTable& t, int page_size, int num_pages, bool host) {
   if (t.batch < 0) return Invalid("table.batch", absl::StrCat("=", t.batch, " must be >= 0"));
@@ -265,7 +273,7 @@ constexpr char kKdaStatesNote[] =
 absl::Status KernelBackend::GqaDecode(const GqaDecodeParams& p) {
   const bool host = memory_space() == MemorySpace::kHost;
   RETURN_IF_ERROR(CheckGqaKv(p.kv, p.num_q_heads));
-  RETURN_IF_ERROR(CheckScale(p.scale, "scale"));
+  RETURN_IF_ERROR(CheckSoftmaxScale(p.scale));
   RETURN_IF_ERROR(CheckTable(p.table, p.kv.page_size, p.kv.num_pages, host));
   if (p.table.batch == 0) return absl::OkStatus();
   RETURN_IF_ERROR(CheckPtr(p.q, "q"));
@@ -278,7 +286,7 @@ absl::Status KernelBackend::GqaDecode(const GqaDecodeParams& p) {
 absl::Status KernelBackend::GqaPrefill(const GqaPrefillParams& p) {
   const bool host = memory_space() == MemorySpace::kHost;
   RETURN_IF_ERROR(CheckGqaKv(p.kv, p.num_q_heads));
-  RETURN_IF_ERROR(CheckScale(p.scale, "scale"));
+  RETURN_IF_ERROR(CheckSoftmaxScale(p.scale));
   RETURN_IF_ERROR(CheckTable(p.table, p.kv.page_size, p.kv.num_pages, host));
   RETURN_IF_ERROR(CheckIndptr(p.q_indptr, p.table, host, "q_indptr"));
   if (NoQueryRows(p.q_indptr, p.table, host)) return absl::OkStatus();

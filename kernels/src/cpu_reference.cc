@@ -34,7 +34,8 @@ struct PagedRows {
 };
 
 // softmax(scores) . values for one query over tokens [0, n): out[dv].
-// score(t) and value(t, j) are callables; n == 0 gives zeros.
+// score(t) and value(t, j) are callables; n == 0, or every score -inf, gives zeros (as
+// the optimized backend's tiles do: no token has any weight).
 template <typename ScoreFn, typename ValueFn>
 void Attend(int n, int dv, ScoreFn score, ValueFn value, float* out) {
   std::fill(out, out + dv, 0.f);
@@ -45,6 +46,7 @@ void Attend(int n, int dv, ScoreFn score, ValueFn value, float* out) {
     s[t] = score(t);
     m = std::max(m, s[t]);
   }
+  if (m == kNegInf) return;  // exp(-inf - -inf) would be NaN
   float l = 0.f;
   for (int t = 0; t < n; ++t) {
     s[t] = std::exp(s[t] - m);

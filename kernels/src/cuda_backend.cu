@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(32 * kWarps) PagedAttnKernel(AttnArgs a) {
     const float s = WarpSum(dot) * a.scale;
     const float m_new = fmaxf(m, s);
     const float c = (m == KVPOOL_NEG_INF) ? 0.f : expf(m - m_new);
-    const float p = expf(s - m_new);
+    const float p = (m_new == KVPOOL_NEG_INF) ? 0.f : expf(s - m_new);  // every score so far -inf: no weight
     l = l * c + p;
 #pragma unroll
     for (int i = 0; i < VPL; ++i) {

@@ -10,6 +10,7 @@
 // is checked separately (see DTypeFidelity).
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "kernel_test.h"
@@ -375,6 +376,25 @@ TEST_P(GqaTest, DTypeFidelity) {
 }
 
 // Shape checks name the argument (host content checks only where tables are on host).
+// Every score -inf (q.k overflowed past -FLT_MAX at a huge scale): no token has any
+// weight, and the output is zeros on every backend (the reference divided 0 by 0,
+// NaN, where the optimized tiles gave zeros).
+TEST_P(GqaTest, EveryScoreMinusInfinityGivesZeros) {
+  if (!host()) GTEST_SKIP() << "host buffers; the CUDA kernels are covered by gpu-check.sh";
+  std::vector<uint16_t> pages(2 * 16 * 1 * 64, 0x3F80);  // bf16 1.0 everywhere
+  std::vector<int32_t> table = {0, 1}, lens = {20};
+  std::vector<float> q(2 * 64, -1.f), out(2 * 64, 7.f);
+  GqaDecodeParams p;
+  p.q = q.data();
+  p.out = out.data();
+  p.kv = {pages.data(), pages.data(), DType::kBf16, 2, 16, 1, 64};
+  p.table = {table.data(), lens.data(), 1, 2};
+  p.num_q_heads = 2;
+  p.scale = std::numeric_limits<float>::max();  // -64 x FLT_MAX = -inf
+  ASSERT_TRUE(be_->GqaDecode(p).ok());
+  for (float x : out) ASSERT_EQ(x, 0.f);
+}
+
 TEST_P(GqaTest, LaunchersNameTheWrongArgument) {
   std::vector<uint16_t> pages(64 * 16 * 2 * 64);
   std::vector<int32_t> table = {0, 1}, lens = {20};
@@ -407,6 +427,9 @@ TEST_P(GqaTest, LaunchersNameTheWrongArgument) {
   b = p;
   b.q = nullptr;
   expect(b, "q");
+  b = p;
+  b.scale = -1.f;
+  expect(b, "scale=-1 must be >= 0");
   std::vector<int32_t> bad_table = {0, 2};
   b = p;
   b.table.block_table = bad_table.data();

@@ -2,7 +2,8 @@
 //
 // Query head h reads K/V head h / (num_q_heads / num_kv_heads). Scores are
 // scale * q.k, softmax in fp32 with a running max (online softmax), and the output is
-// the fp32 softmax-weighted sum of V. Outputs of zero-length sequences are zeros.
+// the fp32 softmax-weighted sum of V. Outputs of zero-length sequences, and of rows whose
+// every score is -inf (q.k overflowed), are zeros.
 //
 // Decode: one new query token per sequence, whose K/V is already in the cache (so it
 // attends to all seq_lens[b] tokens). Long contexts are split into chunks of
@@ -33,7 +34,7 @@ struct GqaDecodeParams {
   GqaPagedKv kv;
   BlockTable table;          // table.batch rows; seq_lens include the new token
   int num_q_heads = 0;       // a multiple of kv.num_kv_heads
-  float scale = 0.f;         // softmax scale; 0 means 1/sqrt(head_dim)
+  float scale = 0.f;         // softmax scale, >= 0; 0 means 1/sqrt(head_dim)
 };
 
 struct GqaPrefillParams {
@@ -43,7 +44,7 @@ struct GqaPrefillParams {
   GqaPagedKv kv;
   BlockTable table;                 // seq_lens[b] >= q_len[b]
   int num_q_heads = 0;
-  float scale = 0.f;                // 0 means 1/sqrt(head_dim)
+  float scale = 0.f;                // >= 0; 0 means 1/sqrt(head_dim)
 };
 
 }  // namespace kvpool::kernels
