@@ -27,7 +27,7 @@ absl::StatusOr<std::vector<float>> RunAbsorbed(KernelBackend* be, const PagedSto
                                               const std::vector<float>& q, int H) {
   const int batch = static_cast<int>(c.seq_lens.size());
   std::vector<float> out(static_cast<size_t>(batch) * H * kRank, std::nanf(""));
-  DeviceBuf dc(be, c.bytes), dq(be, q), dout(be, out), dtab(be, c.table), dlen(be, c.seq_lens);
+  DeviceBuf dc(be, c.bytes), dq(be, q), dout(be, out), dtab(be, c.TableFor(be)), dlen(be, c.seq_lens);
   MlaDecodeParams p;
   p.q = dq.as<float>();
   p.out = dout.as<float>();
@@ -216,7 +216,7 @@ std::vector<float> RunMaterialized(KernelBackend* be, const PagedStore& c, const
   const int batch = static_cast<int>(c.seq_lens.size());
   std::vector<float> out(static_cast<size_t>(indptr.back()) * m.H * m.dv, std::nanf(""));
   DeviceBuf dc(be, c.bytes), dwk(be, m.w_uk), dwv(be, m.w_uv), dqn(be, m.q_nope),
-      dqr(be, m.q_rope), dout(be, out), dtab(be, c.table), dlen(be, c.seq_lens), dind(be, indptr);
+      dqr(be, m.q_rope), dout(be, out), dtab(be, c.TableFor(be)), dlen(be, c.seq_lens), dind(be, indptr);
   MlaMaterializedParams p;
   p.q_nope = dqn.as<float>();
   p.q_rope = dqr.as<float>();
@@ -320,7 +320,7 @@ TEST_P(MlaTest, AbsorbedEqualsMaterialized) {
     }
     std::vector<float> latent(static_cast<size_t>(batch) * H * kRank);
     DeviceBuf dc(be_.get(), c.bytes), dq(be_.get(), q), dout(be_.get(), latent),
-        dtab(be_.get(), c.table), dlen(be_.get(), c.seq_lens);
+        dtab(be_.get(), c.TableFor(be_.get())), dlen(be_.get(), c.seq_lens);
     MlaDecodeParams p;
     p.q = dq.as<float>();
     p.out = dout.as<float>();

@@ -36,16 +36,18 @@ inline float RoundTo(DType dtype, float x) {
 
 // A paged cache of `num_heads` heads x `dim` per token ("rows"), with one page set
 // per sequence from a shuffled pool and `extra_pages` no sequence uses. Everything
-// not holding a token (unused pages, the tail of each last page) is NaN, and the table
-// entries past each sequence's last block name an unused page (the contract lets them
-// hold anything): a kernel that reads past seq_len, even at a page boundary or with
-// 1-token pages, reads NaN (with -1 there a backend that skips bad pages read zeros, and
-// the CPU read before the buffer).
+// not holding a token (unused pages, the tail of each last page) is NaN. The table
+// entries past each sequence's last block (the contract lets them hold anything) are -1
+// in `table`; TableFor(be) gives device backends a table whose entries there name an
+// unused NaN page instead: a device kernel skips page -1 (reads zeros, masked), so an
+// over-read past seq_len would go unseen, while on host a read of page -1 lands before
+// the buffer, where ASan (and the oracle comparison) catch it.
 struct PagedStore {
   DType dtype;
   int page_size, row_elems;  // elements per token slot
   int num_pages, max_blocks;
-  std::vector<int32_t> table;      // [batch][max_blocks]; past the used blocks an unused page (-1 without one)
+  std::vector<int32_t> table;      // [batch][max_blocks], -1 past the used blocks
+  int32_t unused_page = -1;        // a page no sequence uses (-1 when extra_pages is 0)
   std::vector<int32_t> seq_lens;
   std::vector<uint8_t> bytes;      // the pages
   std::vector<std::vector<float>> tokens;  // per sequence: [len][row_elems] as stored
@@ -67,7 +69,8 @@ struct PagedStore {
     bytes.resize(static_cast<size_t>(num_pages) * page * row * esz);
     const float nan = std::numeric_limits<float>::quiet_NaN();
     for (size_t i = 0; i < bytes.size() / esz; ++i) StoreFromFloat(bytes.data(), dt, i, nan);
-    table.assign(lens.size() * max_blocks, extra_pages > 0 ? perm[used] : -1);
+    table.assign(lens.size() * max_blocks, -1);
+    if (extra_pages > 0) unused_page = perm[used];
     int next = 0;
     for (size_t b = 0; b < lens.size(); ++b) {
       const int len = lens[b];
@@ -80,6 +83,17 @@ struct PagedStore {
       }
       tokens.push_back(std::move(v));
     }
+  }
+
+  // The table to hand `be` (see above): -1 past the used blocks on host, the unused NaN
+  // page on a device.
+  std::vector<int32_t> TableFor(const KernelBackend* be) const {
+    if (be->memory_space() == MemorySpace::kHost) return table;
+    std::vector<int32_t> t = table;
+    for (int32_t& e : t) {
+      if (e < 0) e = unused_page;
+    }
+    return t;
   }
 
   BlockTable Table() const {
