@@ -332,21 +332,28 @@ __global__ void KdaPrefillKernel(KdaPrefillParams p) {
   const int64_t head_elems = static_cast<int64_t>(dk) * dv, state_elems = H * head_elems;
   float* S = p.pool.states + slot * state_elems + h * head_elems;
   const int64_t start = p.start_pos ? p.start_pos[b] : 0;
-  // Launchers do not read device-resident metadata (the CPU checks it on host): a run
-  // that is not inside [0, cu_seqlens[batch]] in order, or starts before position 0, is
-  // skipped rather than read and written out of bounds; boundary states are written only
-  // into the run's own [boundary_indptr[b], boundary_indptr[b + 1]) inside the buffer.
-  const int begin = p.cu_seqlens[b], end = p.cu_seqlens[b + 1], total = p.cu_seqlens[p.batch];
-  if (begin < 0 || end < begin || end > total || start < 0) return;
+  // Launchers do not read device-resident metadata (the CPU checks it on host). Here
+  // every block checks all of it and the call changes nothing unless cu_seqlens and
+  // boundary_indptr are non-decreasing from >= 0 and no start_pos is negative: runs then
+  // cannot overlap or leave their buffers. Boundary states go only into the run's own
+  // [boundary_indptr[b], boundary_indptr[b + 1]).
+  bool bad = false;
+  for (int i = threadIdx.x; i < p.batch; i += blockDim.x) {
+    bad |= p.cu_seqlens[i] > p.cu_seqlens[i + 1] || (i == 0 && p.cu_seqlens[0] < 0);
+    bad |= p.start_pos != nullptr && p.start_pos[i] < 0;
+    bad |= p.boundary_states != nullptr &&
+           (p.boundary_indptr[i] > p.boundary_indptr[i + 1] || (i == 0 && p.boundary_indptr[0] < 0));
+  }
+  if (__syncthreads_or(bad)) return;  // the same answer in every thread of the block
+  const int begin = p.cu_seqlens[b], end = p.cu_seqlens[b + 1];
   int boundary = p.boundary_states ? p.boundary_indptr[b] : 0;
   const int boundary_end = p.boundary_states ? p.boundary_indptr[b + 1] : 0;
-  const int boundary_total = p.boundary_states ? p.boundary_indptr[p.batch] : 0;
   for (int t = begin; t < end; ++t) {
     const int64_t th = static_cast<int64_t>(t) * H + h;
     KdaStepDevice(S, dk, dv, p.q + th * dk, p.k + th * dk, p.v + th * dv, p.g + th * dk, p.beta[th], p.scale,
                   p.l2_normalize_qk, p.out + th * dv, sh);
     if (p.boundary_states != nullptr && (start + (t - begin) + 1) % kKdaChunk == 0) {
-      if (boundary >= 0 && boundary < boundary_end && boundary < boundary_total) {
+      if (boundary < boundary_end) {
         float* dst = p.boundary_states + boundary * state_elems + h * head_elems;
         for (int64_t i = threadIdx.x; i < head_elems; i += blockDim.x) dst[i] = S[i];
       }
