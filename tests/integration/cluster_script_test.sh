@@ -91,19 +91,27 @@ check() {
 }
 
 # A start that is interrupted (SIGTERM; Ctrl-C's SIGINT takes the same trap) stops what
-# it had started: no server is left running and no pid file stays.
+# it had started: no server is left running and no pid file stays. Its pool node is a
+# stub that never becomes healthy (fault injection), so the start is certainly still
+# waiting when the signal comes (with the real one a start could end first under load).
 check_interrupted_start() {
-  local base script_pid pids=() i
+  local base script_pid pids=() i stub="$RUN_DIR/stub-bin"
   base="$(pick_base)" || fail "no free base port"
-  echo "== cluster.sh start, interrupted once the router runs"
-  bash "$CLUSTER" start --dir "$RUN_DIR" --bin-dir "$BIN" --base-port "$base" --workers 0 \
-    --num-blocks 128 --dram 16MiB --nvme 32MiB > "$RUN_DIR/interrupted.out" 2>&1 &
+  mkdir -p "$stub/router/cli" "$stub/pool-node"
+  ln -sf "$BIN/router/kvpool-router" "$stub/router/kvpool-router"
+  ln -sf "$KVCTL" "$stub/router/cli/kvctl"
+  # exec -a keeps "kvpool-" in its command line, which cluster.sh requires to signal it.
+  printf '#!/usr/bin/env bash\nexec -a kvpool-node-stub sleep 600\n' > "$stub/pool-node/kvpool-node"
+  chmod +x "$stub/pool-node/kvpool-node"
+  echo "== cluster.sh start, interrupted while it waits for a pool node"
+  bash "$CLUSTER" start --dir "$RUN_DIR" --bin-dir "$stub" --base-port "$base" --workers 0 \
+    --num-blocks 128 --dram 16MiB --nvme 32MiB --wait 60 > "$RUN_DIR/interrupted.out" 2>&1 &
   script_pid=$!
   for ((i = 0; i < 300; i++)); do
-    [[ -s "$RUN_DIR/router.pid" ]] && break
+    [[ -s "$RUN_DIR/pool-a.pid" ]] && break
     sleep 0.1
   done
-  [[ -s "$RUN_DIR/router.pid" ]] || fail "the router was not started: $(cat "$RUN_DIR/interrupted.out")"
+  [[ -s "$RUN_DIR/pool-a.pid" ]] || fail "the pool node was not started: $(cat "$RUN_DIR/interrupted.out")"
   for f in "$RUN_DIR"/*.pid; do pids+=("$(cat "$f")"); done
   kill -TERM "$script_pid" 2>/dev/null || fail "the start had ended before it could be interrupted: $(cat "$RUN_DIR/interrupted.out")"
   wait "$script_pid" && fail "an interrupted start exited 0"
