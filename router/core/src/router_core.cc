@@ -4,7 +4,7 @@
 #include <cmath>
 #include <random>
 
-#include "absl/container/flat_hash_set.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "kvpool/common/host_port.h"
 #include "kvpool/common/status.h"
@@ -42,21 +42,20 @@ absl::Status ValidateEvent(absl::string_view source_id, SourceKind kind, const K
   // A worker's DRAM or NVMe copy would be routed as a pool hit that no worker can fetch
   // (workers fetch from pool nodes only).
   if (kind == SourceKind::kWorker && e.tier != Tier::kGpu) {
-    return absl::InvalidArgumentError(absl::StrCat("events[", i, "].", what, ".tier=", TierName(e.tier),
-                                                   " from worker \"", source_id,
+    return absl::InvalidArgumentError(absl::StrCat("events[", i, "].", what, ".tier=",
+                                                   e.tier == Tier::kDram ? "DRAM" : "NVME", " from worker \"", source_id,
                                                    "\"; workers publish TIER_GPU (their paged KV pool); "
                                                    "TIER_DRAM and TIER_NVME are pool nodes' tiers"));
   }
   if (e.type == KvEvent::Type::kStored && e.hashes.size() > 1) {
     // A block repeated in one chain links it to itself through the blocks between: a
     // cycle, as with a chain containing its parent.
-    absl::flat_hash_set<BlockHash> seen;
-    seen.reserve(e.hashes.size());
+    thread_local absl::flat_hash_map<BlockHash, size_t> seen;  // kept between calls: no allocation per event
+    seen.clear();
     for (size_t j = 0; j < e.hashes.size(); ++j) {
-      if (!seen.insert(e.hashes[j]).second) {
-        return absl::InvalidArgumentError(absl::StrCat("events[", i, "].stored.block_hashes[", j,
-                                                       "] repeats an earlier entry of the same chain; a chain "
-                                                       "holds each block once"));
+      if (auto [it, fresh] = seen.try_emplace(e.hashes[j], j); !fresh) {
+        return absl::InvalidArgumentError(absl::StrCat("events[", i, "].stored.block_hashes[", j, "] repeats block_hashes[",
+                                                       it->second, "]; a chain holds each block once"));
       }
     }
   }

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "absl/container/flat_hash_set.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -208,12 +208,13 @@ absl::StatusOr<RouteInput> RouteFromProto(const v1::RouteRequest& req, const Rou
     ASSIGN_OR_RETURN(in.hashes, HashesFromProto(req.block_hashes(), "block_hashes"));
     // A chain holds each block once (chained hashes cannot repeat); a repeat would link
     // the worker's predicted blocks into a cycle.
-    absl::flat_hash_set<BlockHash> seen;
-    seen.reserve(in.hashes.size());
+    thread_local absl::flat_hash_map<BlockHash, size_t> seen;  // kept between calls: no allocation per Route
+    seen.clear();
     for (size_t j = 0; j < in.hashes.size(); ++j) {
-      if (!seen.insert(in.hashes[j]).second) {
+      if (auto [it, fresh] = seen.try_emplace(in.hashes[j], j); !fresh) {
         return Invalid(absl::StrCat("block_hashes[", j, "]"),
-                       "repeats an earlier entry; a prompt's chained block hashes are all distinct");
+                       absl::StrCat("repeats block_hashes[", it->second,
+                                    "]; a prompt's chained block hashes are all distinct"));
       }
     }
     in.prompt_tokens = req.prompt_tokens();

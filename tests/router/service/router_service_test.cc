@@ -553,7 +553,7 @@ TEST_F(RouterServiceTest, BadInputGetsClearErrorsAndOthersAreStillServed) {
   v1::RouteRequest repeated_hash;
   repeated_hash.mutable_model()->set_name("tiny-gqa");
   for (const char c : {'a', 'b', 'a'}) repeated_hash.add_block_hashes(std::string(16, c));
-  expect(client_->Route(repeated_hash).status(), absl::StatusCode::kInvalidArgument, "block_hashes[2]: repeats");
+  expect(client_->Route(repeated_hash).status(), absl::StatusCode::kInvalidArgument, "block_hashes[2]: repeats block_hashes[0]");
   v1::RouteRequest no_worker = TokensRequest(Tokens(64, 3), "tiny-mla");
   expect(client_->Route(no_worker).status(), absl::StatusCode::kUnavailable, "tiny-mla");
 
@@ -576,11 +576,11 @@ TEST_F(RouterServiceTest, BadInputGetsClearErrorsAndOthersAreStillServed) {
   v1::EventBatch worker_dram = Stored("w0", 1, hashes, 2);
   worker_dram.mutable_events(0)->mutable_stored()->set_tier(v1::TIER_DRAM);
   expect(client_->PublishEvents({worker_dram}).status(), absl::StatusCode::kInvalidArgument,
-         "events[0].stored.tier=dram from worker \"w0\"; workers publish TIER_GPU");
+         "events[0].stored.tier=DRAM from worker \"w0\"; workers publish TIER_GPU");
   v1::EventBatch repeated = Stored("w0", 1, hashes, 2);  // blocks 0, 1, 0: a cycle
   repeated.mutable_events(0)->mutable_stored()->add_block_hashes(hashes[0].ToBytes());
   expect(client_->PublishEvents({repeated}).status(), absl::StatusCode::kInvalidArgument,
-         "events[0].stored.block_hashes[2] repeats an earlier entry");
+         "events[0].stored.block_hashes[2] repeats block_hashes[0]");
   v1::EventBatch stray_dump_sequence = Stored("w0", 1, hashes, 2);  // not a full dump
   stray_dump_sequence.set_dump_sequence(1000);
   expect(client_->PublishEvents({stray_dump_sequence}).status(), absl::StatusCode::kInvalidArgument,

@@ -46,11 +46,15 @@ TEST(UtilizationSimTest, TraceLengthsAreChecked) {
   auto t = LoadTrace(path);
   ASSERT_FALSE(t.ok());
   EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(t.status().message()), HasSubstr(":2: input_length=0")) << t.status();
+  EXPECT_THAT(std::string(t.status().message()), HasSubstr(":2: input_length=0 must be in [1, 2^30]")) << t.status();
   std::ofstream(path) << "{\"input_length\": 10, \"output_length\": -1}\n";
   t = LoadTrace(path);
   ASSERT_FALSE(t.ok());
-  EXPECT_THAT(std::string(t.status().message()), HasSubstr(":1: output_length=-1")) << t.status();
+  EXPECT_THAT(std::string(t.status().message()), HasSubstr(":1: output_length=-1 must be in [0, 2^30]")) << t.status();
+  std::ofstream(path) << "{\"input_length\": 9223372036854775807, \"output_length\": 1}\n";
+  t = LoadTrace(path);
+  ASSERT_FALSE(t.ok());
+  EXPECT_THAT(std::string(t.status().message()), HasSubstr(":1: input_length=9223372036854775807")) << t.status();
   std::ofstream(path) << "{\"input_length\": 10, \"output_length\": 0}\n";
   t = LoadTrace(path);
   ASSERT_TRUE(t.ok()) << t.status();

@@ -31,10 +31,14 @@ absl::StatusOr<std::vector<TraceRequest>> LoadTrace(const std::string& path) {
           "output_length (Mooncake trace format)"));
     }
     const int64_t input = j["input_length"].get<int64_t>(), output = j["output_length"].get<int64_t>();
-    if (input < 1 || output < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          path, ":", n, ": ", input < 1 ? "input_length=" : "output_length=", input < 1 ? input : output,
-          input < 1 ? " must be >= 1 (a request has a prompt)" : " must be >= 0"));
+    // Bounded so that prompt + output and the block counts derived from them stay far
+    // from overflowing (the longest trace request is ~191K tokens).
+    constexpr int64_t kMaxLength = int64_t{1} << 30;
+    if (input < 1 || input > kMaxLength || output < 0 || output > kMaxLength) {
+      const bool bad_input = input < 1 || input > kMaxLength;
+      return absl::InvalidArgumentError(absl::StrCat(path, ":", n, ": ", bad_input ? "input_length=" : "output_length=",
+                                                     bad_input ? input : output, " must be in [", bad_input ? 1 : 0,
+                                                     ", 2^30] (a request has a prompt)"));
     }
     out.push_back({input, output});
   }
