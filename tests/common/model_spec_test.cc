@@ -93,6 +93,7 @@ TEST(ModelSpecTest, LoadsFromJsonFile) {
              "kv_dtype": "fp16", "block_tokens": 16})";
   }
   auto s = ResolveModelSpec(path);
+  std::remove(path.c_str());
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_EQ(s->name, "my-gqa");
   EXPECT_EQ(s->KvBytesPerToken(), 32 * 2 * 8 * 128 * 2);
@@ -113,6 +114,7 @@ TEST(ModelSpecTest, BadSpecFilesNameTheField) {
     f << "{not json";
   }
   EXPECT_EQ(LoadModelSpecFile(path).status().code(), absl::StatusCode::kInvalidArgument);
+  std::remove(path.c_str());
   EXPECT_EQ(LoadModelSpecFile("/nonexistent/x.json").status().code(), absl::StatusCode::kNotFound);
 }
 
@@ -126,7 +128,9 @@ absl::StatusOr<ModelSpec> LoadJson(const std::string& json) {
     std::ofstream f(path);
     f << json;
   }
-  return LoadModelSpecFile(path);
+  auto spec = LoadModelSpecFile(path);
+  std::remove(path.c_str());  // one file per test and process: left behind, they piled up in /tmp
+  return spec;
 }
 
 // A valid spec with `field` (a top-level key, or "gqa": {...} fragment) replaced.
