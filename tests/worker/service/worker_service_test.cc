@@ -873,6 +873,7 @@ TEST(WorkerService, CancelledClientAbortsItsRequest) {
   WorkerConfig c;
   c.instance_id = "worker-c";
   c.max_model_len = 8192;
+  c.metrics_port = 0;
   Client w(cl.StartWorker(c));
   std::mt19937 rng(17);
   auto stub = WorkerStub(cl.worker_port(0));
@@ -894,6 +895,14 @@ TEST(WorkerService, CancelledClientAbortsItsRequest) {
   EXPECT_EQ(st.load().waiting_requests(), 0u);
   // Dropped, not run to completion (a completed request counts its prompt here).
   EXPECT_EQ(st.prefix_queries_tokens(), 0u);
+  // Usable blocks: --num-blocks less the null block, as registered with the router.
+  EXPECT_EQ(st.num_gpu_blocks(), static_cast<uint64_t>(c.num_blocks - 1));
+  // Counted as cancelled by its client, not as a worker error.
+  httplib::Client http("127.0.0.1", cl.worker(0).metrics_port());
+  auto res = http.Get("/metrics");
+  ASSERT_TRUE(res);
+  EXPECT_NE(res->body.find("kvpool_worker_requests_total{status=\"cancelled\"} 1"), std::string::npos) << res->body;
+  EXPECT_NE(res->body.find("kvpool_worker_requests_total{status=\"error\"} 0"), std::string::npos) << res->body;
   // The worker still serves.
   EXPECT_TRUE(w.Generate(RandomTokens(rng, 20, 512), 2).ok());
 }

@@ -73,6 +73,8 @@ Engine::Engine(EngineConfig config, MetricsRegistry* metrics) : cfg_(std::move(c
   m_bytes_out_ = &m.GetCounter("kvpool_worker_bytes_moved_total", "KV bytes moved to or from pool nodes", {{"direction", "offload"}, {"tier", "pool"}});
   m_ok_ = &m.GetCounter("kvpool_worker_requests_total", "Finished requests", {{"status", "ok"}});
   m_failed_ = &m.GetCounter("kvpool_worker_requests_total", "Finished requests", {{"status", "error"}});
+  // A client that cancelled or ran out of time is not a worker error.
+  m_cancelled_ = &m.GetCounter("kvpool_worker_requests_total", "Finished requests", {{"status", "cancelled"}});
   m_usage_ = &m.GetGauge("kvpool_worker_kv_cache_usage_perc", "Fraction of KV blocks in use, [0, 1]");
   m_running_ = &m.GetGauge("kvpool_worker_num_requests_running", "Requests prefilling or decoding");
   m_waiting_ = &m.GetGauge("kvpool_worker_num_requests_waiting", "Requests queued");
@@ -128,7 +130,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(EngineConfig config, Metr
     e->stats_.set_instance_id(e->cfg_.instance_id);
     e->stats_.set_model(e->cfg_.spec.name);
     e->stats_.set_block_tokens(static_cast<uint32_t>(e->cfg_.spec.block_tokens));
-    e->stats_.set_num_gpu_blocks(static_cast<uint64_t>(e->cfg_.runner.num_blocks));
+    // Usable blocks, as registered with the router and in kv_usage's denominator (block
+    // 0 is the null block).
+    e->stats_.set_num_gpu_blocks(static_cast<uint64_t>(e->cfg_.runner.num_blocks - 1));
     for (const char* k : {"fetched_dram", "fetched_nvme", "offloaded"}) (*e->stats_.mutable_bytes_moved_by_tier())[k] = 0;
   }
   return e;
@@ -298,7 +302,7 @@ void Engine::Answer(Pending& p, absl::StatusOr<v1::GenerateResponse> r) {
     in_engine_tokens_ -= p.counted_tokens;
   }
   ReleaseDecision(p);
-  if (!r.ok()) m_failed_->Increment();
+  if (!r.ok()) (r.status().code() == absl::StatusCode::kCancelled ? m_cancelled_ : m_failed_)->Increment();
   p.done(std::move(r));
 }
 

@@ -279,6 +279,7 @@ class Engine : public cache::KvEventSink {
   Counter* m_bytes_out_;
   Counter* m_ok_;
   Counter* m_failed_;
+  Counter* m_cancelled_;
   Gauge* m_usage_;
   Gauge* m_running_;
   Gauge* m_waiting_;
