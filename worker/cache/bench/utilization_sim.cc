@@ -38,7 +38,7 @@ absl::StatusOr<std::vector<TraceRequest>> LoadTrace(const std::string& path) {
       const bool bad_input = input < 1 || input > kMaxLength;
       return absl::InvalidArgumentError(absl::StrCat(path, ":", n, ": ", bad_input ? "input_length=" : "output_length=",
                                                      bad_input ? input : output, " must be in [", bad_input ? 1 : 0,
-                                                     ", 2^30] (a request has a prompt)"));
+                                                     ", 2^30]", bad_input ? " (a request has a prompt)" : ""));
     }
     out.push_back({input, output});
   }
