@@ -373,6 +373,41 @@ TEST(WorkerService, WriteBackThenNodeLoss) {
   ExpectSameAsOracle(worker_b, prompts, want, 2, 4);
 }
 
+// Write-back Puts run inside the step whose allocation evicted their blocks. That time is
+// the pool's, not prefill's: a slow pool node (each Put held 1 s here) must not show as
+// the request's recompute_s, nor slow the measured prefill rate --fetch=auto weighs a
+// fetch against (before, the step's whole time counted as recompute: recompute_s >= 1 s).
+TEST(WorkerService, WriteBackTimeIsNotCountedAsRecompute) {
+  Cluster cl("wbtime");
+  const std::string a = cl.StartNode("pool-a", 8 << 20, 0);
+  ASSERT_FALSE(a.empty());
+  std::atomic<int> puts{0};
+  WorkerConfig wc;
+  wc.instance_id = "worker-wbtime";
+  wc.pool_nodes = {a};
+  wc.offload = "write-back";
+  wc.num_blocks = 12;  // two prompts' worth: later prompts evict, hence write back
+  wc.before_write_back = [&puts] {
+    ++puts;
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+  };
+  Client w(cl.StartWorker(wc));
+  std::mt19937 rng(11);
+  int checked = 0;
+  for (int i = 0; i < 6; ++i) {
+    const int before = puts.load();
+    auto got = w.Generate(RandomTokens(rng, 64, 512), 1);
+    ASSERT_TRUE(got.ok()) << got.status();
+    if (puts.load() == before) continue;  // this request's step evicted nothing
+    ++checked;
+    const v1::TtftBreakdown& t = got->resp.ttft();
+    // The sleep happened during this request (its total holds it), outside its prefill.
+    EXPECT_GE(t.total_s(), 1.0) << i;
+    EXPECT_LT(t.recompute_s(), 1.0) << i << ": the write-back Put counted as prefill";
+  }
+  EXPECT_GT(checked, 0) << "no request's step wrote anything back";
+}
+
 // One pool node listed twice, or under two spellings (placement would give it two
 // places in the ring, and workers spelling it differently would disagree on owners): the
 // worker refuses to start, naming both entries.

@@ -543,9 +543,14 @@ int64_t Engine::FetchFromPool(const std::vector<BlockHash>& chain, int64_t local
 }
 
 void Engine::StepOnce() {
+  write_back_in_step_ = absl::ZeroDuration();
   const absl::Time t0 = MonotonicNow();
   absl::StatusOr<std::vector<model::SequenceId>> finished = runner_->Step();
   const absl::Time t1 = MonotonicNow();
+  // The step's compute: its time less the write-back Puts its evictions made (a slow pool
+  // node made prefill look slow, to each request's recompute_s and to the measured prefill
+  // rate that --fetch=auto weighs against a fetch).
+  const absl::Duration compute = std::max(absl::ZeroDuration(), (t1 - t0) - write_back_in_step_);
   if (!finished.ok()) {
     spdlog::error("engine step failed: {}; failing every request, and the worker is out of service "
                   "(health NOT_SERVING, no heartbeats): restart it",
@@ -579,13 +584,13 @@ void Engine::StepOnce() {
     p->started = true;
     p->step_start = t0;
     p->first_token = t1;
-    p->recompute_s = Seconds(t1 - t0);
+    p->recompute_s = Seconds(compute);
     ReleaseDecision(*p);  // released already once the load counted it (UpdateLoad)
   }
   // Prefill throughput for the fetch-or-recompute choice: the step's tokens over its
   // time (one request's tokens over a step shared with others read N times too slow).
-  if (started > 0 && t1 > t0) {
-    Ewma(recompute_tokens_per_s_, static_cast<double>(runner_->last_step_tokens()) / Seconds(t1 - t0));
+  if (started > 0 && compute > absl::ZeroDuration()) {
+    Ewma(recompute_tokens_per_s_, static_cast<double>(runner_->last_step_tokens()) / Seconds(compute));
   }
   // Write-through before answering: once Generate returns, the request's full blocks
   // (and checkpoints) are in the pool, so a request sent elsewhere next can fetch them.
@@ -826,7 +831,12 @@ void Engine::Publish(absl::string_view /*source_id*/, const cache::KvEvent& even
     write_back_[k].erase(it);
   }
   if (items.empty()) return;
+  // Put during a step (the eviction that makes room for its requests): not prefill work,
+  // so StepOnce takes it out of the step's time.
+  const absl::Time put_start = MonotonicNow();
+  if (cfg_.before_write_back) cfg_.before_write_back();
   const uint64_t written = pool_->Put(items);
+  write_back_in_step_ += MonotonicNow() - put_start;
   m_bytes_out_->Increment(static_cast<double>(written));
   absl::MutexLock l(&mu_);
   (*stats_.mutable_bytes_moved_by_tier())["offloaded"] += written;

@@ -64,6 +64,9 @@ struct EngineConfig {
   // of queueing without bound.
   int64_t max_queued_requests = 4096;
   int64_t max_queued_prompt_tokens = int64_t{1} << 26;
+  // Fault injection (tests): runs right before each write-back Put, on the engine thread
+  // (e.g. sleeps, as a slow pool node would).
+  std::function<void()> before_write_back;
 };
 
 struct EngineRequest {
@@ -250,6 +253,7 @@ class Engine : public cache::KvEventSink {
   absl::flat_hash_map<BlockHash, WriteBack> write_back_[2];
   bool importing_ = false;  // events of an import are pool copies: not offloaded again
   double recompute_tokens_per_s_ = 0;  // EWMA of measured prefill throughput
+  absl::Duration write_back_in_step_;  // engine thread: write-back Puts during the current step
   double fetch_bytes_per_s_ = 0;       // EWMA of measured pool Get throughput
   double fetch_overhead_s_ = 0.002;    // EWMA of Lookup + Get fixed cost
   uint64_t next_accounting_id_ = 1;

@@ -285,6 +285,7 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerConfig c
   ec.spec = spec;
   ec.runner.num_blocks = s.cfg.num_blocks;
   ec.runner.forward_fault = s.cfg.forward_fault;
+  ec.before_write_back = s.cfg.before_write_back;
   ec.runner.max_running = s.cfg.max_running;
   ec.runner.max_model_len = s.cfg.max_model_len;
   ec.runner.enable_prefix_caching = s.cfg.prefix_caching;

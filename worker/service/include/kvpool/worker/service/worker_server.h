@@ -45,6 +45,8 @@ struct WorkerConfig {
   int drain_timeout_ms = 10'000;
   // Fault injection (tests): model::RunnerOptions::forward_fault.
   std::function<absl::Status()> forward_fault;
+  // Fault injection (tests): EngineConfig::before_write_back.
+  std::function<void()> before_write_back;
 };
 
 // Parses kvpool-worker's flags. CANCELLED after --help (printed); INVALID_ARGUMENT names
